@@ -1,0 +1,9 @@
+"""`flowgeom continuity ...` (not implemented yet)."""
+
+from __future__ import annotations
+
+from flowgeom.cli._common import area
+
+
+def register(sub) -> None:
+    area(sub, "continuity", "continuity commands (not implemented yet)")

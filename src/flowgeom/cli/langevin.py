@@ -1,0 +1,9 @@
+"""`flowgeom langevin ...` (not implemented yet)."""
+
+from __future__ import annotations
+
+from flowgeom.cli._common import area
+
+
+def register(sub) -> None:
+    area(sub, "langevin", "langevin commands (not implemented yet)")

@@ -1,0 +1,27 @@
+"""The one exception type users see.
+
+Library code raises :class:`FlowgeomError` for bad input (never a bare
+``assert``): the message names the offending value, lists the valid options
+where there are some, and says the fix. The CLI turns it into one line on
+stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class FlowgeomError(ValueError):
+    """Bad input or an unusable state, with a message fit for the user."""
+
+
+def choice_error(what: str, value: object, options: Iterable[object]) -> FlowgeomError:
+    """An error for ``value`` not among ``options``, listing the valid ones."""
+    listed = ", ".join(str(o) for o in options)
+    return FlowgeomError(f"unknown {what} {value!r}; choose one of: {listed}")
+
+
+def require(condition: bool, message: str) -> None:
+    """Raise :class:`FlowgeomError` with ``message`` unless ``condition``."""
+    if not condition:
+        raise FlowgeomError(message)
