@@ -1,0 +1,28 @@
+"""Convergent Langevin training of attention and LoRA (seed ``004_…``).
+
+Public API: the :class:`Langevin` optimiser, the :class:`Regularizer`
+(log / power / frobenius) with :func:`select`, the paper's losses and their
+symmetry orbits, and the Villani :func:`probe`.
+"""
+
+from flowgeom.langevin.losses import (
+    LOSSES,
+    Objective,
+    attention_loss,
+    attention_objective,
+    attention_orbit,
+    lora_loss,
+    lora_objective,
+    lora_orbit,
+    norm_objective,
+    objective,
+)
+from flowgeom.langevin.optimizer import Langevin, check_loss
+from flowgeom.langevin.regularizers import KINDS, PRESETS, Regularizer, select
+from flowgeom.langevin.villani import VillaniReport, derivatives, orbit_integral, plot, probe
+
+__all__ = [
+    "KINDS", "LOSSES", "PRESETS", "Langevin", "Objective", "Regularizer", "VillaniReport", "attention_loss",
+    "attention_objective", "attention_orbit", "check_loss", "derivatives", "lora_loss", "lora_objective",
+    "lora_orbit", "norm_objective", "objective", "orbit_integral", "plot", "probe", "select",
+]

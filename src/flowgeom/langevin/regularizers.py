@@ -1,0 +1,155 @@
+"""Super-quadratic regularisers that make attention and LoRA losses Villani (seed ``004_…``).
+
+For one weight matrix ``W`` with ``n = ‖W‖²_F``:
+
+=============  =============================  ==========================================
+kind           R(W)                           ∇_W R
+=============  =============================  ==========================================
+``log``        λ n log(1 + n)                 2λ (log(1 + n) + n / (1 + n)) W
+``power``      λ n^{(2+ε)/2} = λ‖W‖_F^{2+ε}   λ (2 + ε) ‖W‖_F^{ε} W
+``frobenius``  λ n  (weight decay, control)   2λ W
+``none``       0                              0
+=============  =============================  ==========================================
+
+``log`` and ``power`` grow faster than quadratically, which is what the
+paper's Villani proofs need (``|∇R|²/s − ΔR → ∞``); plain Frobenius is the
+quadratic control. A penalty is a *sum over matrices*: each selected tensor
+is regularised on its own (``R(W_Q) + R(W_K)``, ``R(U) + R(V)``).
+
+Parameters are picked by name: an explicit list, a regular expression
+(``re.search`` on the ``named_parameters`` name), or a preset: ``"qk"``
+(``q_proj``/``k_proj`` weights, our attention layout) and ``"lora"`` (HF
+PEFT names ``…lora_A….weight`` / ``…lora_B….weight``; PEFT itself is never
+imported).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from flowgeom.errors import FlowgeomError, choice_error
+
+KINDS = ("none", "log", "power", "frobenius")
+PRESETS = {
+    "qk": r"(^|\.)(q_proj|k_proj)\.weight$",
+    "lora": r"(^|\.)lora_[AB](\.[^.]+)?\.weight$",
+}
+
+
+@dataclass(frozen=True)
+class Regularizer:
+    """``R(W)`` of the table above, with ``λ = lam > 0`` and ``ε = eps > 0``."""
+
+    kind: str = "log"
+    lam: float = 1e-3
+    eps: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise choice_error("regulariser", self.kind, KINDS)
+        if self.kind != "none" and not (math.isfinite(self.lam) and self.lam > 0):
+            raise FlowgeomError(f"regulariser lambda must be a finite number > 0, got {self.lam!r}; "
+                                "use kind='none' for no regularisation")
+        if self.kind == "power" and not (math.isfinite(self.eps) and self.eps > 0):
+            raise FlowgeomError(f"power regulariser epsilon must be > 0 (super-quadratic), got {self.eps!r}; "
+                                "use kind='frobenius' for the quadratic case")
+
+    # -- one matrix ------------------------------------------------------------------------
+    def value(self, w: torch.Tensor) -> torch.Tensor:
+        """``R(W)`` (differentiable)."""
+        n = w.pow(2).sum()
+        if self.kind == "log":
+            return self.lam * n * torch.log1p(n)
+        if self.kind == "power":
+            return self.lam * n.pow(1 + self.eps / 2)
+        if self.kind == "frobenius":
+            return self.lam * n
+        return torch.zeros((), dtype=w.dtype, device=w.device)
+
+    def grad(self, w: torch.Tensor) -> torch.Tensor:
+        """Closed-form ``∇_W R`` (see the table; tested against autograd)."""
+        n = w.detach().pow(2).sum()
+        if self.kind == "log":
+            return 2 * self.lam * (torch.log1p(n) + n / (1 + n)) * w.detach()
+        if self.kind == "power":
+            return self.lam * (2 + self.eps) * n.pow(self.eps / 2) * w.detach()
+        if self.kind == "frobenius":
+            return 2 * self.lam * w.detach()
+        return torch.zeros_like(w)
+
+    def laplacian(self, w: torch.Tensor) -> torch.Tensor:
+        """Closed-form ``Δ_W R`` for a matrix with ``D`` entries (``r = ‖W‖_F``, ``n = r²``).
+
+        For a radial ``R = f(n)``: ``ΔR = 4 n f''(n) + 2 D f'(n)``.
+        """
+        n = w.detach().pow(2).sum()
+        d = w.numel()
+        if self.kind == "log":
+            f1 = torch.log1p(n) + n / (1 + n)
+            f2 = 1 / (1 + n) + 1 / (1 + n) ** 2
+        elif self.kind == "power":
+            a = 1 + self.eps / 2
+            f1 = a * n.pow(a - 1)
+            f2 = a * (a - 1) * n.pow(a - 2) if float(n) > 0 else torch.zeros_like(n)
+        elif self.kind == "frobenius":
+            f1, f2 = torch.ones_like(n), torch.zeros_like(n)
+        else:
+            return torch.zeros_like(n)
+        return self.lam * (4 * n * f2 + 2 * d * f1)
+
+    # -- many matrices ---------------------------------------------------------------------
+    def penalty(self, tensors: Iterable[torch.Tensor]) -> torch.Tensor:
+        """``Σ_W R(W)`` over ``tensors`` (differentiable)."""
+        terms = [self.value(w) for w in tensors]
+        if not terms:
+            raise FlowgeomError("regulariser selected no parameters; check the names/pattern")
+        return torch.stack(terms).sum()
+
+    @torch.no_grad()
+    def add_grad_(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Add ``∇R`` to each tensor's ``.grad`` in place (no autograd graph)."""
+        if self.kind == "none":
+            return
+        for w in tensors:
+            g = self.grad(w)
+            if w.grad is None:
+                w.grad = g
+            else:
+                w.grad.add_(g)
+
+
+def select(module: nn.Module, *, names: Sequence[str] | None = None, pattern: str | None = None,
+           preset: str | None = None) -> dict[str, nn.Parameter]:
+    """The parameters of ``module`` to regularise, by exact ``names``, regex ``pattern`` or ``preset``.
+
+    Exactly one selector must be given; an empty selection is an error (a typo
+    in a pattern would otherwise silently regularise nothing).
+    """
+    given = [x is not None for x in (names, pattern, preset)]
+    if sum(given) != 1:
+        raise FlowgeomError("select parameters with exactly one of names=, pattern= or preset=")
+    named = dict(module.named_parameters())
+    if names is not None:
+        missing = [n for n in names if n not in named]
+        if missing:
+            raise FlowgeomError(f"no parameter named {', '.join(missing)}; available: {', '.join(named)}")
+        chosen = {n: named[n] for n in names}
+    else:
+        if preset is not None:
+            if preset not in PRESETS:
+                raise choice_error("parameter preset", preset, PRESETS)
+            pattern = PRESETS[preset]
+        try:
+            rx = re.compile(pattern)
+        except re.error as exc:
+            raise FlowgeomError(f"bad parameter pattern {pattern!r}: {exc}") from exc
+        chosen = {n: p for n, p in named.items() if rx.search(n)}
+    if not chosen:
+        raise FlowgeomError(f"no parameter matches {pattern!r}; available: {', '.join(named) or '(none)'}")
+    return chosen

@@ -1,0 +1,217 @@
+"""A numeric probe of the Villani condition (seed ``004_…``; Villani 2009, Shi–Su–Jordan 2023).
+
+With the SDE ``dθ = −∇V dt + √s dB`` (Gibbs density ``∝ exp(−2V/s)``), ``V``
+is a *Villani function* when, as ``‖θ‖ → ∞``,
+
+1. ``V(θ) → +∞`` (confinement), so ``∫ exp(−2V/s) < ∞`` can hold, and
+2. ``Q(θ) = ‖∇V(θ)‖² / s − ΔV(θ) → +∞``.
+
+Then the Gibbs measure satisfies a Poincaré inequality and the SDE converges
+exponentially (``O(log 1/ε)`` time to ε-suboptimality).
+
+The probe evaluates ``V``, ``‖∇V‖²`` and ``ΔV`` (exact Hessian trace via
+``torch.func.hessian`` for ``D ≤ exact_max_dim``; otherwise Hutchinson,
+``ΔV ≈ mean_j z_jᵀ H z_j`` with Rademacher ``z_j``, error bar = standard
+error of the mean) along
+
+* random rays ``θ_0 + r u`` (``u`` uniform on the sphere, ``r`` on a
+  geometric grid up to ``r_max``), and
+* the symmetry orbit ``M_t θ_0`` (``M_t = diag(e^t, e^{-t}, 1…)``, ``t`` up
+  to ``log r_max``), where an unregularised attention/LoRA loss is constant.
+
+**Verdict rule.** On each path compare the mid point (``m``, first point of
+the far half) with the end point (``e``):
+
+* confining: ``V_e − V_m > 1 + |V_m|``;
+* ``Q`` grows: ``Q_e > 0`` and ``Q_e > 4 |Q_m|`` (and ``|Q_e| > 3σ_e`` with
+  Hutchinson);
+* ``Q`` bounded: ``Q_e ≤ 1.5 |Q_m| + 3σ_e``.
+
+A path *fails* if it is not confining or ``Q`` is bounded, *holds* if it
+is confining and ``Q`` grows, else it is *inconclusive*. The overall verdict
+is ``fails`` if any path fails, ``holds`` if all hold, else
+``inconclusive``. On ``‖x‖²`` (``Q = 4r²/s − 2D``) it holds; on ``‖x‖``
+(``Q → 1/s``) it fails; on unregularised attention/LoRA it fails because ``V``
+is constant on the orbit.
+
+**Partition function along the orbit.** ``I(T) = ∫_0^T exp(−2(V(M_t θ_0) −
+V(θ_0))/s) dt`` (trapezoid rule): it grows linearly in ``T`` when ``V`` is
+constant on the orbit (the Gibbs measure cannot be normalised) and
+saturates with a confining regulariser.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch.func import grad, hessian, jvp, vmap
+
+from flowgeom.errors import FlowgeomError
+from flowgeom.langevin.losses import Objective
+
+VERDICTS = ("holds", "fails", "inconclusive")
+
+
+@dataclass(frozen=True)
+class Derivatives:
+    value: float
+    grad_sq: float
+    laplacian: float
+    laplacian_err: float  # 0 for the exact trace
+
+    def villani(self, temperature: float) -> float:
+        return self.grad_sq / temperature - self.laplacian
+
+
+def laplacian_exact(fn, theta: torch.Tensor) -> torch.Tensor:
+    """``tr ∇²V(θ)`` from the full Hessian (D D)."""
+    return torch.diagonal(hessian(fn)(theta)).sum()
+
+
+def laplacian_hutchinson(fn, theta: torch.Tensor, *, probes: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hutchinson's ``(mean zᵀHz, standard error)`` with ``probes`` Rademacher vectors."""
+    if probes < 2:
+        raise FlowgeomError(f"Hutchinson needs at least 2 probes for an error bar, got {probes}")
+    z = torch.randint(0, 2, (probes, theta.numel()), generator=generator).to(theta.dtype) * 2 - 1  # (m, D)
+
+    def quad(v: torch.Tensor) -> torch.Tensor:
+        return (jvp(grad(fn), (theta,), (v,))[1] * v).sum()
+
+    samples = vmap(quad)(z)  # (m,)
+    return samples.mean(), samples.std() / math.sqrt(probes)
+
+
+def derivatives(fn, theta: torch.Tensor, *, exact: bool, probes: int = 64,
+                generator: torch.Generator | None = None) -> Derivatives:
+    """``V``, ``‖∇V‖²`` and ``ΔV`` at ``θ`` (D,)."""
+    value = fn(theta)
+    g = grad(fn)(theta)
+    if exact:
+        lap, err = laplacian_exact(fn, theta), torch.zeros(())
+    else:
+        lap, err = laplacian_hutchinson(fn, theta, probes=probes, generator=generator or torch.Generator().manual_seed(0))
+    return Derivatives(float(value), float(g.pow(2).sum()), float(lap), float(err))
+
+
+@dataclass(frozen=True)
+class PathResult:
+    kind: str  # "ray" or "orbit"
+    radius: list[float]
+    value: list[float]
+    villani: list[float]
+    villani_err: list[float]
+    confining: bool
+    q_grows: bool
+    q_bounded: bool
+    verdict: str
+
+
+def judge(kind: str, radius: list[float], value: list[float], q: list[float], q_err: list[float]) -> PathResult:
+    """Apply the module's verdict rule to one path."""
+    mid, end = len(q) // 2, len(q) - 1
+    confining = value[end] - value[mid] > 1 + abs(value[mid])
+    q_grows = q[end] > 0 and q[end] > 4 * abs(q[mid]) and abs(q[end]) > 3 * q_err[end]
+    q_bounded = q[end] <= 1.5 * abs(q[mid]) + 3 * q_err[end]
+    if not confining or q_bounded:
+        verdict = "fails"
+    elif q_grows:
+        verdict = "holds"
+    else:
+        verdict = "inconclusive"
+    return PathResult(kind, radius, value, q, q_err, confining, q_grows, q_bounded, verdict)
+
+
+@dataclass(frozen=True)
+class VillaniReport:
+    objective: str
+    regularizer: str
+    temperature: float
+    dim: int
+    exact: bool
+    verdict: str
+    paths: list[PathResult]
+    orbit_integral: dict[str, list[float] | str] | None = field(default=None)
+
+
+def orbit_integral(obj: Objective, theta0: torch.Tensor, *, temperature: float, t_max: float,
+                   points: int = 200) -> dict[str, list[float] | str]:
+    """Partial integrals ``I(T)`` of ``exp(−2(V(M_t θ_0) − V(θ_0))/s)`` over ``t ∈ [0, T]``.
+
+    Verdict ``diverges`` when the integrand at ``T`` is still ≥ half its value
+    at 0 (``I`` grows linearly), ``converges`` when it has fallen below 1e-8
+    (``I`` has saturated), else ``inconclusive``.
+    """
+    ts = torch.linspace(0, t_max, points, dtype=torch.float64)
+    with torch.no_grad():
+        v = torch.stack([obj.flat(obj.orbit(theta0, float(t))) for t in ts])
+    w = torch.exp(-2 * (v - v[0]) / temperature)  # (points,)
+    partial = torch.cat([torch.zeros(1, dtype=w.dtype), torch.cumsum((w[1:] + w[:-1]) / 2 * (ts[1:] - ts[:-1]), 0)])
+    if w[-1] >= 0.5 * w[0]:
+        verdict = "diverges"
+    elif w[-1] < 1e-8:
+        verdict = "converges"
+    else:
+        verdict = "inconclusive"
+    step = max(1, points // 10)
+    return {"T": ts[::step].tolist(), "I": partial[::step].tolist(), "verdict": verdict}
+
+
+def probe(obj: Objective, *, temperature: float = 1.0, rays: int = 3, r_max: float = 1e3, points: int = 12,
+          exact_max_dim: int = 200, probes: int = 64, seed: int = 0) -> VillaniReport:
+    """Run the Villani probe on ``obj`` (see the module docstring for the rule)."""
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise FlowgeomError(f"temperature s must be > 0 for the Villani quantity, got {temperature!r}")
+    if not (r_max > 10):
+        raise FlowgeomError(f"r_max must be > 10 to probe behaviour at infinity, got {r_max!r}")
+    if rays < 1 or points < 4:
+        raise FlowgeomError("need rays >= 1 and points >= 4")
+    g = torch.Generator().manual_seed(seed)
+    exact = obj.dim <= exact_max_dim
+    theta0 = torch.randn(obj.dim, generator=g, dtype=torch.float64)
+    radii = torch.logspace(0, math.log10(r_max), points, dtype=torch.float64)
+
+    def path(kind: str, thetas: list[torch.Tensor]) -> PathResult:
+        ds = [derivatives(obj.flat, th, exact=exact, probes=probes, generator=g) for th in thetas]
+        return judge(kind, [float(th.norm()) for th in thetas], [d.value for d in ds],
+                     [d.villani(temperature) for d in ds], [d.laplacian_err for d in ds])
+
+    paths = []
+    for _ in range(rays):
+        u = torch.randn(obj.dim, generator=g, dtype=torch.float64)
+        u = u / u.norm()
+        paths.append(path("ray", [theta0 + r * u for r in radii]))
+    integral = None
+    if obj.orbit_fn is not None:
+        t_max = math.log(r_max)
+        ts = torch.linspace(0, t_max, points, dtype=torch.float64)
+        paths.append(path("orbit", [obj.orbit(theta0, float(t)) for t in ts]))
+        integral = orbit_integral(obj, theta0, temperature=temperature, t_max=t_max)
+    verdicts = [p.verdict for p in paths]
+    overall = "fails" if "fails" in verdicts else "holds" if all(v == "holds" for v in verdicts) else "inconclusive"
+    return VillaniReport(obj.name, obj.regularizer.kind, temperature, obj.dim, exact, overall, paths, integral)
+
+
+def plot(report: VillaniReport, path) -> None:
+    """Save ``V`` and ``Q`` against the radius for every probed path (matplotlib, Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_v, ax_q) = plt.subplots(1, 2, figsize=(10, 4))
+    for i, p in enumerate(report.paths):
+        label = f"{p.kind} {i}: {p.verdict}"
+        ax_v.plot(p.radius, p.value, marker=".", label=label)
+        ax_q.errorbar(p.radius, p.villani, yerr=[3 * e for e in p.villani_err], marker=".", label=label)
+    for ax, name in ((ax_v, "V"), (ax_q, "Q = |∇V|²/s − ΔV")):
+        ax.set_xscale("log")
+        ax.set_yscale("symlog")
+        ax.set_xlabel("‖θ‖")
+        ax.set_ylabel(name)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"Villani probe: {report.objective} + {report.regularizer} (s={report.temperature:g}) → {report.verdict}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
