@@ -59,6 +59,9 @@ def print_json(payload: Any) -> None:
 
 def console():
     """A rich console on stdout (plain text when not a terminal)."""
+    import sys
+
     from rich.console import Console
 
-    return Console(highlight=False, soft_wrap=True)
+    # Piped output (CI logs, `| less`) would otherwise wrap tables at 80 columns.
+    return Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
