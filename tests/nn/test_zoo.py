@@ -80,3 +80,23 @@ def test_sigmoid_gate_is_normalised_sigmoid():
 def test_bad_sizes_raise_clear_errors(arch, opts, fragment):
     with pytest.raises(FlowgeomError, match=fragment):
         build(arch, **opts)
+
+
+@pytest.mark.parametrize("opts", [
+    {"positions": "rope", "mlp": "swiglu"},
+    {"positions": "sinusoidal", "mlp": "moe", "top_k": 2, "gate": "sigmoid"},
+    {"positions": "none", "mlp": "gelu", "norm": "layernorm"},
+])
+def test_tiny_lm_is_causal_and_named_like_llama(opts):
+    from flowgeom.nn.lm import LMConfig, TinyLM
+
+    torch.manual_seed(0)
+    lm = TinyLM(LMConfig(vocab=11, d_model=16, n_layers=2, heads=2, d_k=4, d_hidden=8, seq_len=6, **opts))
+    names = set(dict(lm.named_parameters()))
+    assert "layers.1.self_attn.q_proj.weight" in names and "lm_head.weight" in names
+    tokens = lm.sample_input(2, torch.Generator().manual_seed(0))
+    logits = lm(tokens)
+    assert logits.shape == (2, 6, 11)
+    changed = tokens.clone()
+    changed[:, -1] = (changed[:, -1] + 1) % 11
+    assert torch.allclose(lm(changed)[:, :-1], logits[:, :-1], atol=1e-6)  # no peeking at the future
