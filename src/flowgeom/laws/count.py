@@ -1,0 +1,331 @@
+"""Count the conservation laws of any ``nn.Module`` numerically.
+
+Theory (Marcotte, Gribonval & Peyré 2023, "Abide by the law and follow the
+flow"). For a model f(x; θ), θ ∈ R^D, let W be the span of the fields
+X_{x,c}(θ) = ∇_θ⟨c, f(x; θ)⟩ over all inputs x and output weights c, and
+Lie(W) the Lie algebra they generate (closed under [X, Y] = J_Y X − J_X Y).
+If dim Lie(W)(θ) is constant on a neighbourhood of θ (the constant-rank
+condition of Frobenius' theorem), the number of functionally independent
+conservation laws of gradient flow — for every data set — near θ is
+
+    laws = D − dim Lie(W)(θ).
+
+Numerics. At a random point θ (float64 by default) the engine draws blocks of
+random fields (depth 0) and random left-nested brackets of depth 1, 2, …
+(``fields.FieldModel``), each block one ``vmap`` call. Vectors are normalised
+and their span is grown by blocks: the block is projected on the orthogonal
+complement of the current basis, and the singular values σ of the projected
+block above a relative tolerance are new directions. A depth stops once a
+block has at least ``patience`` more vectors than new directions (for
+generic draws a block that does not fill up has saturated the level); the
+bracket depths stop at the first depth that adds nothing or when the span is
+all of R^D. Depth 0 keeps an orthonormal basis (the O(D³) step); from depth 1
+on the engine tracks the small complement N (D × laws) instead, so a bracket
+block costs O(D · laws).
+
+The report keeps the kept and dropped σ closest to the tolerance: a law broken
+only weakly (e.g. by LayerNorm's eps) shows up as a kept σ many orders of
+magnitude below 1 yet far above the tolerance.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+from flowgeom.errors import FlowgeomError
+from flowgeom.laws.fields import FieldModel, Sampler, draw_inputs, module_sampler
+
+DEFAULT_TOL = {torch.float64: 1e-9, torch.float32: 1e-4}
+
+
+@dataclass
+class CountResult:
+    """What :func:`count` measured. ``laws = parameters − rank``."""
+
+    parameters: int
+    rank: int
+    laws: int
+    ranks_by_depth: list[int]
+    expected: int | None
+    seconds: float
+    seed: int
+    tolerance: float
+    gap: dict
+    dtype: str
+    device: str
+    draws: int
+    vectorised: bool = True
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class SpanTracker:
+    """Span of normalised vectors, grown by blocks, with the σ of every decision.
+
+    Phase 1 keeps an orthonormal basis B (r × D); :meth:`to_complement` swaps
+    it for an orthonormal basis N (D × (D − r)) of its complement, after which
+    :meth:`add` costs O(D · (D − r)) per vector.
+    """
+
+    def __init__(self, dim: int, *, tol: float, dtype=torch.float64, device="cpu"):
+        self.dim, self.tol = dim, tol
+        self.basis = torch.empty(0, dim, dtype=dtype, device=device)  # (r, D)
+        self.complement: torch.Tensor | None = None  # (D, D - r) once switched
+        self.kept: list[float] = []
+        self.dropped: list[float] = []
+
+    @property
+    def rank(self) -> int:
+        return self.dim - self.complement.shape[1] if self.complement is not None else self.basis.shape[0]
+
+    def add(self, vectors: torch.Tensor) -> int:
+        """Add a block (b, D); return the number of new directions."""
+        norms = vectors.norm(dim=1, keepdim=True)
+        ok = norms.squeeze(1) > 0
+        self.dropped.extend([0.0] * int((~ok).sum()))
+        v = vectors[ok] / norms[ok]  # (b, D) unit rows
+        if v.shape[0] == 0 or self.rank == self.dim:
+            self.dropped.extend([0.0] * v.shape[0])
+            return 0
+        if self.complement is not None:
+            return self._add_complement(v)
+        return self._add_basis(v)
+
+    def _record(self, sigma: torch.Tensor) -> torch.Tensor:
+        keep = sigma > self.tol
+        self.kept.extend(sigma[keep].tolist())
+        self.dropped.extend(sigma[~keep].tolist())
+        return keep
+
+    def _project(self, v: torch.Tensor) -> torch.Tensor:
+        b = self.basis
+        return v - (v @ b.T) @ b if b.shape[0] else v  # (n, D)
+
+    def _add_basis(self, v: torch.Tensor) -> int:
+        resid = self._project(v)  # (b, D)
+        q, r = torch.linalg.qr(resid.T)  # (D, b), (b, b)
+        u, sigma, _ = torch.linalg.svd(r)
+        keep = self._record(sigma)
+        new = (q @ u[:, keep]).T  # (a, D) orthonormal, ⊥ basis up to rounding
+        if new.shape[0] == 0:
+            return 0
+        if sigma[keep].min() < 1e-3:  # small σ: rounding is amplified, re-orthogonalise
+            new = torch.linalg.qr(self._project(new).T)[0].T
+        self.basis = torch.cat([self.basis, new])
+        return new.shape[0]
+
+    def _add_complement(self, v: torch.Tensor) -> int:
+        s = v @ self.complement  # (b, k) coordinates in the complement
+        _, sigma, vh = torch.linalg.svd(s, full_matrices=True)  # vh (k, k)
+        keep = self._record(sigma)
+        a = int(keep.sum())
+        self.complement = self.complement @ vh[a:].T  # (D, k - a)
+        return a
+
+    def to_complement(self, generator: torch.Generator) -> None:
+        """Switch to tracking the orthogonal complement (D, D − r)."""
+        k = self.dim - self.basis.shape[0]
+        g = torch.randn(self.dim, k, generator=generator, dtype=torch.float64).to(self.basis)
+        for _ in range(2):  # project twice for orthogonality at rounding level
+            g = g - self.basis.T @ (self.basis @ g)
+        self.complement = torch.linalg.qr(g)[0] if k else g  # (D, k)
+        self.basis = self.basis[:0]
+
+    def gap(self, n: int = 5) -> dict:
+        kept = sorted(self.kept)[:n]
+        dropped = sorted(self.dropped, reverse=True)[:n]
+        ratio = kept[0] / dropped[0] if kept and dropped and dropped[0] > 0 else None
+        return {"tolerance": self.tol, "smallest_kept": kept, "largest_dropped": dropped, "ratio": ratio}
+
+
+def random_point(module: nn.Module, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """θ_p = rms(p) · N(0, 1) per tensor (rms 1 for all-zero tensors): generic yet on the module's scale."""
+    out = {}
+    for name, p in module.named_parameters():
+        rms = float(p.detach().double().pow(2).mean().sqrt()) if p.numel() else 1.0
+        noise = torch.randn(p.shape, generator=generator, dtype=torch.float64)
+        out[name] = (noise * (rms if rms > 0 else 1.0)).to(p)
+    return out
+
+
+def memory_estimate(parameters: int, block: int, *, bytes_per: int = 8) -> int:
+    """Bytes the count needs: the D × D basis, the complement swap and a few (block, D) buffers."""
+    return bytes_per * (2 * parameters * parameters + 6 * block * parameters)
+
+
+def available_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 16 * 2**30
+
+
+def prepare(module: nn.Module, sample_input: Sampler | None, *, dtype, device) -> tuple[nn.Module, Sampler]:
+    """A float copy of ``module`` on ``device`` and its input sampler; FlowgeomError if unusable."""
+    if not isinstance(module, nn.Module):
+        raise FlowgeomError(f"expected an nn.Module, got {type(module).__name__}")
+    if sum(p.numel() for p in module.parameters()) == 0:
+        raise FlowgeomError(f"{type(module).__name__} has no parameters: there is nothing to conserve; pass a module with weights")
+    if sample_input is None:
+        if not callable(getattr(module, "sample_input", None)):
+            raise FlowgeomError(f"{type(module).__name__} has no sample_input(batch, generator); pass an input shape (--input-shape 4,8)")
+        sample_input = module_sampler(module)
+    work = copy.deepcopy(module).to(device=device, dtype=dtype)
+    return work, sample_input
+
+
+def probe_output(model: FieldModel, theta: torch.Tensor, sampler: Sampler, generator: torch.Generator, *, dtype, device) -> torch.Size:
+    """Run the module once on a sampled input; its output shape, or a FlowgeomError saying why it failed."""
+    x = draw_inputs(sampler, 1, 1, 1, generator, dtype=dtype, device=device)[0, 0, 0]
+    try:
+        with torch.no_grad():
+            y = model.output(theta, x)
+    except FlowgeomError:
+        raise
+    except Exception as exc:  # the module rejected the input: say so in one line
+        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise FlowgeomError(f"the module rejected an input of shape {tuple(x.shape)}: {msg}; pass a shape it accepts (--input-shape)") from None
+    if not isinstance(y, torch.Tensor) or not y.is_floating_point():
+        raise FlowgeomError(f"the module must return one floating-point tensor, got {type(y).__name__}; wrap it to return a tensor")
+    return y.shape
+
+
+class FieldSource:
+    """Random draws of depth-k brackets at θ, in blocks, vmapped (loop fallback)."""
+
+    def __init__(self, model: FieldModel, theta, sampler, out_shape, generator, *, per_field, dtype, device):
+        self.model, self.theta, self.sampler, self.out_shape = model, theta, sampler, out_shape
+        self.per_field = per_field
+        self.generator, self.dtype, self.device = generator, dtype, device
+        self.vectorised, self.draws = True, 0
+
+    def block(self, depth: int, n: int) -> torch.Tensor:
+        p = self.per_field
+        xs = draw_inputs(self.sampler, n, depth + 1, p, self.generator, dtype=self.dtype, device=self.device)
+        cs = torch.randn(n, depth + 1, p, *self.out_shape, generator=self.generator, dtype=torch.float64)
+        cs = cs.to(device=self.device, dtype=self.dtype)
+        self.draws += n
+        d = self.theta.numel()
+        chunk = max(1, int(2**27 // (8 * p * d * 3 ** depth)))
+        if self.vectorised:
+            try:
+                return self.model.draw(self.theta, depth, xs, cs, chunk=chunk)
+            except FlowgeomError:
+                raise
+            except Exception:  # some op has no vmap rule: fall back to a loop over draws
+                self.vectorised = False
+        fn = self.model.nested(depth)
+        return torch.stack([fn(self.theta, xs[i], cs[i]) for i in range(n)])
+
+
+def _grow_level(span: SpanTracker, source: FieldSource, depth: int, *, block: int, patience: int, max_blocks: int) -> None:
+    """Draw blocks of depth-``depth`` brackets until ``patience`` consecutive draws add nothing.
+
+    A block that does not fill up (``n − added ≥ patience``) is followed by a
+    confirmation block of ``patience`` draws; the level ends when that adds
+    nothing (else the search goes on).
+    """
+    saturated = False
+    for _ in range(max_blocks):
+        if span.rank == span.dim:
+            return
+        n = patience if saturated else min(block, span.dim - span.rank + patience)
+        added = span.add(source.block(depth, n))
+        if saturated and added == 0:
+            return
+        saturated = n - added >= patience
+
+
+def count(
+    module: nn.Module,
+    sample_input: Sampler | None = None,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float64,
+    device: str | torch.device = "cpu",
+    tol: float | None = None,
+    max_depth: int = 6,
+    patience: int = 8,
+    block: int = 512,
+    at: str = "random",
+    per_field: int = 16,
+    max_memory: int | None = None,
+) -> CountResult:
+    """Number of independent conservation laws of ``module`` at a random θ.
+
+    ``sample_input(n, generator)`` returns ``n`` valid module inputs stacked on
+    dim 0 (default: ``module.sample_input``); each drawn field sums the
+    generators of ``per_field`` inputs with random output weights. ``at`` is
+    ``"random"`` (a generic point on the module's scale) or ``"module"`` (its
+    current weights). Raises FlowgeomError for a module without parameters, an
+    input it rejects, or a D whose memory estimate exceeds ``max_memory``
+    (default: the free memory of ``device``).
+    """
+    start = time.perf_counter()
+    device = torch.device(device)
+    if at not in ("random", "module"):
+        raise FlowgeomError(f"unknown point {at!r}; choose random or module")
+    if min(patience, block, per_field) < 1 or max_depth < 0:
+        raise FlowgeomError("patience, block and per_field must be >= 1 and max_depth >= 0")
+    work, sampler = prepare(module, sample_input, dtype=dtype, device=device)
+    model = FieldModel(work)
+    d = model.layout.size
+    need = memory_estimate(d, block, bytes_per=torch.empty(0, dtype=dtype).element_size())
+    limit = max_memory if max_memory is not None else int(0.8 * available_memory(device))
+    if need > limit:
+        raise FlowgeomError(
+            f"D = {d:,} parameters needs about {need / 2**30:.1f} GiB for the rank computation, "
+            f"more than the {limit / 2**30:.1f} GiB available; count a smaller instance or use --device cuda"
+        )
+    gen = torch.Generator().manual_seed(seed)
+    params = random_point(work, gen) if at == "random" else dict(work.named_parameters())
+    theta = model.layout.flatten({k: v.detach() for k, v in params.items()}).to(device=device, dtype=dtype)
+    out_shape = probe_output(model, theta, sampler, gen, dtype=dtype, device=device)
+    source = FieldSource(model, theta, sampler, out_shape, gen, per_field=per_field, dtype=dtype, device=device)
+    span = SpanTracker(d, tol=tol if tol is not None else DEFAULT_TOL.get(dtype, 1e-6), dtype=dtype, device=device)
+    _grow_level(span, source, 0, block=block, patience=patience, max_blocks=math.ceil(d / block) + 8)
+    ranks = [span.rank]
+    span.to_complement(gen)
+    for depth in range(1, max_depth + 1):
+        if span.rank == d:
+            break
+        before = span.rank
+        _grow_level(span, source, depth, block=min(block, 256), patience=patience, max_blocks=math.ceil(d / 256) + 8)
+        ranks.append(span.rank)
+        if span.rank == before:
+            break
+    notes = []
+    if ranks and len(ranks) == max_depth + 1 and ranks[-1] != ranks[-2] and span.rank < d:
+        notes.append(f"depth {max_depth} still added directions; raise max_depth for a sure count")
+    if not source.vectorised:
+        notes.append("torch.func.vmap failed on this module; fields were drawn one by one (slow path)")
+    return CountResult(
+        parameters=d, rank=span.rank, laws=d - span.rank, ranks_by_depth=ranks, expected=_expected(module),
+        seconds=time.perf_counter() - start, seed=seed, tolerance=span.tol, gap=span.gap(), dtype=str(dtype).replace("torch.", ""),
+        device=str(device), draws=source.draws, vectorised=source.vectorised, notes=notes,
+    )
+
+
+def _expected(module: nn.Module) -> int | None:
+    """The catalogue's count for zoo modules (None elsewhere or before the catalogue exists)."""
+    if not hasattr(module, "arch_name"):
+        return None
+    try:
+        from flowgeom.laws.catalogue import expected_count
+    except ImportError:
+        return None
+    return expected_count(module)

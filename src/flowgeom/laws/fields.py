@@ -1,0 +1,154 @@
+"""Gradient fields of a module and their Lie brackets, batched with ``torch.func``.
+
+A module ``f(x; θ)`` with parameters flattened to ``θ ∈ R^D`` defines, for an
+input ``x`` and an output weight ``c`` (same shape as ``f(x)``), the vector
+field
+
+    X_{x,c}(θ) = ∇_θ ⟨c, f(x; θ)⟩ ∈ R^D.
+
+These fields span the trace ``W(θ)`` of the functional space of Marcotte et
+al. (2023, "Abide by the law and follow the flow"); a function ``h`` is a
+conservation law of gradient flow for every data set iff ``∇h(θ) ⊥ W(θ)``.
+The Lie bracket of two fields is
+
+    [X, Y](θ) = J_Y(θ) X(θ) − J_X(θ) Y(θ),
+
+computed forward-over-reverse: ``J_Y(θ) X(θ)`` is ``torch.func.jvp`` of the
+gradient function ``Y`` along the tangent ``X(θ)`` (a Hessian-vector product
+for a gradient field). Left-nested brackets
+``[X_1, [X_2, [ …, [X_k, X_{k+1}] … ]]]`` span the depth-k part of the Lie
+algebra ``Lie(W)``; each one is a pure function of ``(θ, xs, cs)`` so a block
+of random draws is one ``vmap`` call, never a Python call per vector.
+
+Convention: ``θ`` is the concatenation of ``module.named_parameters()`` in
+order, each flattened row-major (weights ``(out, in)``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.func import functional_call, grad, jvp, vmap
+
+# sampler(n, generator) -> (n, *sample): n valid module inputs stacked on a new dim 0.
+Sampler = Callable[[int, torch.Generator], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """Names, shapes and offsets of the flat parameter vector θ (D,)."""
+
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def of(cls, module: nn.Module) -> ParamLayout:
+        named = [(n, tuple(p.shape)) for n, p in module.named_parameters()]
+        return cls(tuple(n for n, _ in named), tuple(s for _, s in named))
+
+    @property
+    def numels(self) -> tuple[int, ...]:
+        return tuple(math.prod(s) for s in self.shapes)
+
+    @property
+    def size(self) -> int:
+        return sum(self.numels)
+
+    def offsets(self) -> list[int]:
+        out, acc = [], 0
+        for n in self.numels:
+            out.append(acc)
+            acc += n
+        return out
+
+    def unflatten(self, theta: torch.Tensor) -> dict[str, torch.Tensor]:
+        """θ (D,) -> {name: view of shape}; differentiable, vmap-friendly."""
+        parts = torch.split(theta, list(self.numels))
+        return {n: p.reshape(s) for n, p, s in zip(self.names, parts, self.shapes)}
+
+    def flatten(self, params: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.cat([params[n].reshape(-1) for n in self.names])
+
+    def coordinate(self, index: int) -> tuple[str, tuple[int, ...]]:
+        """Flat index -> (parameter name, multi-index)."""
+        for name, shape, start, n in zip(self.names, self.shapes, self.offsets(), self.numels):
+            if start <= index < start + n:
+                local, idx = index - start, []
+                for dim in reversed(shape):
+                    idx.append(local % dim)
+                    local //= dim
+                return name, tuple(reversed(idx))
+        raise IndexError(index)
+
+
+class FieldModel:
+    """A module seen as ``f(θ, x)`` over a flat θ, with its fields and brackets.
+
+    ``module`` is used through ``functional_call`` only (its own parameters are
+    not touched); buffers are passed as they are.
+    """
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+        self.layout = ParamLayout.of(module)
+        self.buffers = dict(module.named_buffers())
+
+    def output(self, theta: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return functional_call(self.module, (self.layout.unflatten(theta), self.buffers), (x,))
+
+    def field(self, theta: torch.Tensor, xs: torch.Tensor, cs: torch.Tensor) -> torch.Tensor:
+        """Σ_i X_{x_i,c_i}(θ) = ∇_θ Σ_i ⟨c_i, f(x_i; θ)⟩, (D,), for ``xs`` (p, *sample), ``cs`` (p, *out).
+
+        A sum of a few generators (p inputs) rather than one: a draw then has
+        a component along directions only some inputs excite (a ReLU unit
+        active on 5% of inputs), which keeps random draws generic.
+        """
+        per_input = vmap(lambda t, x, c: (c * self.output(t, x)).sum(), in_dims=(None, 0, 0))
+        return grad(lambda t: per_input(t, xs, cs).sum())(theta)
+
+    def nested(self, depth: int) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+        """``g(θ, xs, cs)`` = left-nested bracket of ``depth + 1`` fields.
+
+        ``xs`` (depth+1, p, *sample) and ``cs`` (depth+1, p, *out) hold the inputs
+        and output weights of the fields X_1 … X_{depth+1};
+        g = [X_1, [X_2, … [X_depth, X_{depth+1}] …]]; depth 0 is X_1 itself.
+        """
+        if depth == 0:
+            return lambda theta, xs, cs: self.field(theta, xs[0], cs[0])
+        inner = self.nested(depth - 1)
+
+        def bracket(theta, xs, cs):
+            outer = lambda t: self.field(t, xs[0], cs[0])  # noqa: E731
+            a = outer(theta)
+            b, db_a = jvp(lambda t: inner(t, xs[1:], cs[1:]), (theta,), (a,))  # J_B(θ) A(θ)
+            _, da_b = jvp(outer, (theta,), (b,))  # J_A(θ) B(θ)
+            return db_a - da_b
+
+        return bracket
+
+    def draw(self, theta: torch.Tensor, depth: int, xs: torch.Tensor, cs: torch.Tensor, *, chunk: int) -> torch.Tensor:
+        """A block of brackets for draws ``xs`` (n, depth+1, p, *sample), ``cs`` (n, depth+1, p, *out) -> (n, D)."""
+        fn = vmap(self.nested(depth), in_dims=(None, 0, 0))
+        return torch.cat([fn(theta, xs[i : i + chunk], cs[i : i + chunk]) for i in range(0, xs.shape[0], chunk)])
+
+
+def module_sampler(module: nn.Module) -> Sampler:
+    """Sampler from ``module.sample_input(batch, generator)``: each module input is a batch of one."""
+    return lambda n, generator: module.sample_input(n, generator).unsqueeze(1)  # (n, 1, ...)
+
+
+def shape_sampler(shape: tuple[int, ...]) -> Sampler:
+    """Sampler of standard-normal inputs of exactly ``shape`` (one sample per draw)."""
+    return lambda n, generator: torch.randn(n, *shape, generator=generator, dtype=torch.float64)
+
+
+def draw_inputs(sampler: Sampler, n: int, slots: int, per_field: int, generator: torch.Generator, *, dtype, device) -> torch.Tensor:
+    """(n, slots, per_field, *sample): independent module inputs from ``sampler``."""
+    x = sampler(n * slots * per_field, generator)  # (n*slots*per_field, *sample)
+    if x.is_floating_point():
+        x = x.to(dtype=dtype)
+    return x.to(device=device).reshape(n, slots, per_field, *x.shape[1:])
