@@ -1,0 +1,135 @@
+"""Image classification sets from local files: MNIST, CIFAR-10, ImageNet-style folders.
+
+- ``load_images("mnist")`` — the shipped MNIST (see :mod:`flowgeom.data.mnist`);
+  a folder of MNIST IDX files is also accepted through ``load_mnist``.
+- ``load_cifar10(path)`` — the official "CIFAR-10 python version" folder
+  (``data_batch_1..5``, ``test_batch``: pickled dicts with ``b"data"``
+  (N 3072) uint8 in channel-major order and ``b"labels"``).
+- ``load_image_folder(path)`` — ImageNet-style ``ROOT/[split/]CLASS/*``; each
+  file is one image as ``.npy`` or ``.pt`` ((H, W), (H, W, C) or (C, H, W)
+  uint8 array), or ``.png/.jpg/.jpeg/.JPEG`` when Pillow is installed.
+
+Every loader returns images (N C H W) uint8 and labels (N,) int64.
+"""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from flowgeom.data.mnist import load_mnist
+from flowgeom.errors import FlowgeomError, choice_error
+
+SPLITS = ("train", "test")
+_CIFAR = {"train": tuple(f"data_batch_{i}" for i in range(1, 6)), "test": ("test_batch",)}
+_ARRAYS = (".npy", ".pt")
+_PICTURES = (".png", ".jpg", ".jpeg")
+
+
+def load_cifar10(path: str | Path, split: str = "train", *, limit: int | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """CIFAR-10 python batches: images (N 3 32 32) uint8, labels (N,) int64."""
+    if split not in SPLITS:
+        raise choice_error("split", split, SPLITS)
+    folder = Path(path)
+    if (folder / "cifar-10-batches-py").is_dir():
+        folder = folder / "cifar-10-batches-py"
+    files = [folder / n for n in _CIFAR[split]]
+    missing = [f.name for f in files if not f.exists()]
+    if missing:
+        raise FlowgeomError(f"CIFAR-10 folder {folder} lacks {', '.join(missing)}; pass the extracted "
+                            "'cifar-10-batches-py' folder of the python version")
+    images, labels = [], []
+    for f in files:
+        with open(f, "rb") as fh:
+            try:
+                batch = pickle.load(fh, encoding="bytes")
+            except Exception as exc:  # truncated / not a pickle
+                raise FlowgeomError(f"{f} is not a CIFAR-10 python batch ({exc}); re-extract the archive") from None
+        data, labs = batch.get(b"data"), batch.get(b"labels")
+        if data is None or labs is None or np.asarray(data).shape[1:] != (3072,):
+            raise FlowgeomError(f"{f} has no (N, 3072) b'data' and b'labels'; it is not a CIFAR-10 python batch")
+        images.append(np.asarray(data, dtype=np.uint8).reshape(-1, 3, 32, 32))  # (N, C, H, W)
+        labels.append(np.asarray(labs, dtype=np.int64))
+        if limit is not None and sum(len(x) for x in labels) >= limit:
+            break
+    x, y = np.concatenate(images), np.concatenate(labels)
+    if limit is not None:
+        x, y = x[:limit], y[:limit]
+    return torch.from_numpy(x), torch.from_numpy(y)
+
+
+def _read_one(path: Path) -> np.ndarray:
+    suffix = path.suffix.lower()
+    if suffix == ".npy":
+        arr = np.load(path)
+    elif suffix == ".pt":
+        arr = torch.load(path, map_location="cpu", weights_only=True)
+        arr = arr.numpy() if isinstance(arr, torch.Tensor) else np.asarray(arr)
+    else:
+        try:
+            from PIL import Image
+        except ImportError:
+            raise FlowgeomError(f"{path.name} is a {suffix} picture but Pillow is not installed; install "
+                                "Pillow or convert the folder to .npy/.pt arrays") from None
+        with Image.open(path) as im:
+            arr = np.asarray(im.convert("RGB"))
+    arr = np.asarray(arr)
+    if arr.ndim == 2:
+        arr = arr[None]  # (1, H, W)
+    elif arr.ndim == 3 and arr.shape[-1] in (1, 3) and arr.shape[0] not in (1, 3):
+        arr = arr.transpose(2, 0, 1)  # (H, W, C) -> (C, H, W)
+    if arr.ndim != 3:
+        raise FlowgeomError(f"{path} holds an array of shape {arr.shape}; expected (H, W), (H, W, C) or (C, H, W)")
+    return arr.astype(np.uint8, copy=False)
+
+
+def load_image_folder(path: str | Path, split: str = "train", *, limit: int | None = None,
+                      classes: list[str] | None = None) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    """ImageNet-style ``ROOT/[split/]CLASS/FILE``: images (N C H W) uint8, labels (N,), class names.
+
+    Classes are the sorted sub-folder names (or ``classes``, to keep the
+    train and test label ids aligned); all images must share one shape.
+    """
+    root = Path(path)
+    if (root / split).is_dir():
+        root = root / split
+    if not root.is_dir():
+        raise FlowgeomError(f"image folder {root} does not exist; pass ROOT holding [split/]CLASS/ sub-folders")
+    names = classes or sorted(p.name for p in root.iterdir() if p.is_dir())
+    if not names:
+        raise FlowgeomError(f"{root} has no class sub-folders; expected ROOT/[split/]CLASS/*.npy|.pt|.png")
+    items = [(f, c) for c, name in enumerate(names) if (root / name).is_dir()
+             for f in sorted((root / name).iterdir()) if f.suffix.lower() in _ARRAYS + _PICTURES]
+    if not items:
+        raise FlowgeomError(f"no .npy/.pt/.png/.jpg files under {root}/CLASS/")
+    if limit is not None:
+        items = items[:limit]
+    arrays = [_read_one(f) for f, _ in items]
+    shapes = {a.shape for a in arrays}
+    if len(shapes) > 1:
+        raise FlowgeomError(f"images under {root} have different shapes {sorted(shapes)[:3]}; resize them to one shape")
+    x = torch.from_numpy(np.stack(arrays))  # (N, C, H, W)
+    y = torch.tensor([c for _, c in items], dtype=torch.long)
+    return x, y, names
+
+
+def load_images(source: str = "mnist", split: str = "train", *, limit: int | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dispatch: ``"mnist"`` (shipped), or a folder: CIFAR-10 python batches, MNIST IDX, or class folders."""
+    if source == "mnist":
+        x, y = load_mnist(split, limit=limit)
+        return x.unsqueeze(1), y  # (N, 1, 28, 28)
+    folder = Path(source)
+    if not folder.is_dir():
+        raise FlowgeomError(f"image source {source!r} is neither 'mnist' nor an existing folder")
+    if (folder / "test_batch").exists() or (folder / "cifar-10-batches-py").is_dir():
+        return load_cifar10(folder, split, limit=limit)
+    if any(folder.glob("*idx3-ubyte*")):
+        x, y = load_mnist(split, path=folder, limit=limit)
+        return x.unsqueeze(1), y
+    x, y, _ = load_image_folder(folder, split, limit=limit)
+    return x, y

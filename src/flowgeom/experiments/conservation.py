@@ -1,0 +1,341 @@
+"""Conservation drift in real training (seed 000's experiments at laptop scale).
+
+One run trains a decoder LM on real English text (KJV, or a local
+WikiText-103 / PTB path) or a ViT on real MNIST (or a local CIFAR-10 /
+ImageNet-style folder) and records, every ``log_every`` steps, the
+conservation error ε(k) of every law family (see
+:mod:`flowgeom.laws.monitor`) next to the non-conserved controls.
+
+- ``full_batch=True``: gradient descent on a fixed training set of ``batch``
+  examples (the seed's proxy for the continuous flow);
+  ``full_batch=False``: mini-batch SGD, a fresh batch per step.
+- ``optimizer``: ``sgd`` (the laws' setting), ``momentum`` (0.9) or ``adam``
+  — the last two break the laws at first order; ``weight_decay`` λ breaks
+  them too, and the run also records the rescaled laws e^{dλt}·h (keys
+  ``wd/…``), conserved again up to O(τ²k).
+- ``schedule``: ``constant`` τ or ``inverse`` τ_k = τ_0/(k+1) (Σ τ_k² < ∞,
+  so the error stays bounded).
+
+One run = one :class:`flowgeom.runs.RunFolder`; checkpoints hold the model,
+optimiser, data generator and the monitor's θ_0 reference, so a killed run
+resumed with ``resume=True`` ends with exactly the metrics of an
+uninterrupted one (CPU, same seed). A non-finite loss stops the run at the
+step where it appears with :class:`FlowgeomError`; the metrics up to that
+step stay on disk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flowgeom.errors import FlowgeomError, choice_error
+from flowgeom.laws.monitor import ConservationMonitor, warn_plain_gd_only
+from flowgeom.runs import RunFolder
+
+TASKS = ("lm", "vit")
+OPTIMIZERS = ("sgd", "momentum", "adam")
+SCHEDULES = ("constant", "inverse")
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+# Named LM block variants: the attention positions and the MLP of every decoder layer.
+LM_ARCHS: dict[str, dict[str, Any]] = {
+    "mha-none-swiglu": {"positions": "none", "mlp": "swiglu"},
+    "mha-sinusoidal-swiglu": {"positions": "sinusoidal", "mlp": "swiglu"},
+    "mha-rope-swiglu": {"positions": "rope", "mlp": "swiglu"},
+    "moe-dense-softmax": {"positions": "none", "mlp": "moe", "gate": "softmax", "top_k": None},
+    "moe-top2-softmax": {"positions": "none", "mlp": "moe", "gate": "softmax", "top_k": 2},
+    "moe-dense-sigmoid": {"positions": "none", "mlp": "moe", "gate": "sigmoid", "top_k": None},
+    "moe-top2-sigmoid": {"positions": "none", "mlp": "moe", "gate": "sigmoid", "top_k": 2},
+}
+ARCHS: dict[str, dict[str, Any]] = {**{k: {"task": "lm", **v} for k, v in LM_ARCHS.items()}, "vit": {"task": "vit"}}
+
+
+@dataclass(frozen=True)
+class ConservationConfig:
+    task: str = "lm"               # lm | vit
+    data: str = "default"          # lm: kjv | text file/folder; vit: mnist | CIFAR-10 / class folder ("default": kjv / mnist)
+    corpus_chars: int = 200_000    # lm: first characters of the corpus used (0 = all)
+    n_train: int = 2048            # vit: training images used
+    # model
+    positions: str = "rope"        # lm attention positions: none | sinusoidal | rope
+    mlp: str = "swiglu"            # lm MLP: swiglu | moe
+    gate: str = "softmax"          # moe router: softmax | sigmoid (normalised)
+    top_k: int | None = None       # moe routing: None = dense
+    experts: int = 4               # moe experts
+    d_model: int = 32              # residual width
+    n_layers: int = 2              # blocks
+    heads: int = 2                 # attention heads
+    d_k: int = 16                  # head dim
+    d_hidden: int = 64             # MLP hidden width (per expert)
+    seq_len: int = 32              # lm context
+    patch: int = 7                 # vit patch side
+    # training
+    optimizer: str = "sgd"         # sgd | momentum | adam
+    lr: float = 0.1                # τ (τ_0 for the inverse schedule)
+    schedule: str = "constant"     # constant | inverse (τ_k = τ_0/(k+1))
+    weight_decay: float = 0.0      # λ (decoupled from the loss: θ ← θ − τ(∇L + λθ) for sgd)
+    steps: int = 200               # k runs 0..steps
+    batch: int = 32                # batch size (= training-set size when full_batch)
+    full_batch: bool = False       # GD on a fixed set of `batch` examples instead of SGD
+    seed: int = 0
+    log_every: int = 10            # monitor period
+    checkpoint_every: int = 50     # checkpoint period (steps)
+    dtype: str = "float32"         # float32 | float64
+    device: str = "cpu"
+
+    def __post_init__(self):
+        if self.task not in TASKS:
+            raise choice_error("task", self.task, TASKS)
+        if self.optimizer not in OPTIMIZERS:
+            raise choice_error("optimizer", self.optimizer, OPTIMIZERS)
+        if self.schedule not in SCHEDULES:
+            raise choice_error("schedule", self.schedule, SCHEDULES)
+        if self.dtype not in DTYPES:
+            raise choice_error("dtype", self.dtype, DTYPES)
+        if self.mlp not in ("swiglu", "moe"):
+            raise choice_error("mlp", self.mlp, ("swiglu", "moe"))
+        for name in ("steps", "batch", "log_every", "checkpoint_every", "d_model", "n_layers", "heads", "d_k",
+                     "d_hidden", "seq_len", "experts", "n_train", "patch"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise FlowgeomError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise FlowgeomError(f"lr must be a positive finite number, got {self.lr}")
+        if self.weight_decay < 0:
+            raise FlowgeomError(f"weight_decay must be ≥ 0, got {self.weight_decay}")
+
+    @classmethod
+    def for_arch(cls, arch: str, **overrides: Any) -> ConservationConfig:
+        """The config of a named architecture (see :data:`ARCHS`) with ``overrides``."""
+        if arch not in ARCHS:
+            raise choice_error("architecture", arch, ARCHS)
+        return cls(**{**ARCHS[arch], **overrides})
+
+    def replace(self, **changes: Any) -> ConservationConfig:
+        return dataclasses.replace(self, **changes)
+
+
+# ---------------------------------------------------------------- data and model
+
+@dataclass
+class Task:
+    model: nn.Module
+    batch: Callable[[torch.Generator], tuple[torch.Tensor, torch.Tensor]]
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _lm_task(cfg: ConservationConfig, dtype: torch.dtype, device: torch.device) -> Task:
+    from flowgeom.data.text import CharVocab, lm_batch, load_text
+    from flowgeom.nn.lm import LMConfig, TinyLM
+
+    text = load_text("kjv" if cfg.data == "default" else cfg.data, split="train")
+    text = text[: cfg.corpus_chars] if cfg.corpus_chars else text
+    vocab = CharVocab.from_text(text)
+    tokens = vocab.encode(text)
+    lm_cfg = LMConfig(vocab=vocab.size, d_model=cfg.d_model, n_layers=cfg.n_layers, heads=cfg.heads, d_k=cfg.d_k,
+                      d_hidden=cfg.d_hidden, seq_len=cfg.seq_len, positions=cfg.positions, mlp=cfg.mlp,
+                      experts=cfg.experts, top_k=cfg.top_k, gate=cfg.gate)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        model = TinyLM(lm_cfg).to(device=device, dtype=dtype)
+    fixed = lm_batch(tokens, batch=cfg.batch, seq_len=cfg.seq_len, generator=torch.Generator().manual_seed(cfg.seed + 7919))
+
+    def batch(gen: torch.Generator):
+        x, y = fixed if cfg.full_batch else lm_batch(tokens, batch=cfg.batch, seq_len=cfg.seq_len, generator=gen)
+        return x.to(device), y.to(device)
+
+    def loss(logits, y):  # logits (B, T, V), y (B, T)
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+    return Task(model, batch, loss)
+
+
+def _vit_task(cfg: ConservationConfig, dtype: torch.dtype, device: torch.device) -> Task:
+    from flowgeom.data.images import load_images
+    from flowgeom.nn.vit import ViT, ViTConfig
+
+    images, labels = load_images("mnist" if cfg.data == "default" else cfg.data, "train", limit=cfg.n_train)
+    x_all = images.to(torch.float64) / 255.0
+    x_all = ((x_all - x_all.mean()) / x_all.std()).to(dtype)  # (N, C, H, W)
+    C, H = x_all.shape[1], x_all.shape[2]
+    if H % cfg.patch:
+        raise FlowgeomError(f"patch={cfg.patch} does not divide the image side {H}; pick a divisor (--patch)")
+    vit_cfg = ViTConfig(image_size=H, channels=C, patch=cfg.patch, d_model=cfg.d_model, n_layers=cfg.n_layers,
+                        heads=cfg.heads, d_k=cfg.d_k, d_hidden=cfg.d_hidden, n_classes=int(labels.max()) + 1)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        model = ViT(vit_cfg, generator=torch.Generator().manual_seed(cfg.seed)).to(device=device, dtype=dtype)
+    n = min(cfg.batch, len(x_all))
+
+    def batch(gen: torch.Generator):
+        idx = torch.arange(n) if cfg.full_batch else torch.randint(0, len(x_all), (cfg.batch,), generator=gen)
+        return x_all[idx].to(device), labels[idx].to(device)
+
+    return Task(model, batch, F.cross_entropy)
+
+
+def build_task(cfg: ConservationConfig) -> Task:
+    device = torch.device(cfg.device)
+    return (_lm_task if cfg.task == "lm" else _vit_task)(cfg, DTYPES[cfg.dtype], device)
+
+
+def make_optimizer(cfg: ConservationConfig, params) -> torch.optim.Optimizer:
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    momentum = 0.9 if cfg.optimizer == "momentum" else 0.0
+    return torch.optim.SGD(params, lr=cfg.lr, momentum=momentum, weight_decay=cfg.weight_decay)
+
+
+def step_size(cfg: ConservationConfig, k: int) -> float:
+    """τ_k: constant, or τ_0/(k+1)."""
+    return cfg.lr / (k + 1) if cfg.schedule == "inverse" else cfg.lr
+
+
+# ---------------------------------------------------------------- one run
+
+def _record(monitors: Mapping[str, ConservationMonitor], k: int, time: float, loss: float) -> dict[str, Any]:
+    rec: dict[str, Any] = {"step": k, "time": time, "loss": loss}
+    for prefix, mon in monitors.items():
+        rec.update({prefix + key: v for key, v in mon.measure(time=time).items()})
+    return rec
+
+
+def run_conservation(cfg: ConservationConfig, out: str | Path, *, resume: bool = False,
+                     stop_after: int | None = None, progress: Callable[[int, int], None] | None = None
+                     ) -> dict[str, Any] | None:
+    """Train once and write the run folder ``out``; returns the summary.
+
+    ``stop_after`` (tests only) returns ``None`` after that many optimiser
+    steps without finishing, as a kill would. A finished run is not redone.
+    """
+    run = RunFolder(out)
+    run.start(dataclasses.asdict(cfg), resume=resume)
+    if run.finished:
+        return run.summary()
+    task = build_task(cfg)
+    model = task.model
+    opt = make_optimizer(cfg, model.parameters())
+    if cfg.optimizer != "sgd" or cfg.weight_decay:
+        warn_plain_gd_only(opt)
+    monitors = {"": ConservationMonitor(model, every=cfg.log_every, per_block=True, warn=False)}
+    if cfg.weight_decay:
+        monitors["wd/"] = ConservationMonitor(model, every=cfg.log_every, per_block=False, warn=False,
+                                              weight_decay=cfg.weight_decay, lr=cfg.lr)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    start, time = 0, 0.0
+    ckpt = run.load_checkpoint() if resume else None
+    if ckpt is not None:
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["optimizer"])
+        gen.set_state(ckpt["generator"])
+        for prefix, mon in monitors.items():
+            mon.load_state_dict(ckpt["monitors"][prefix])
+        start, time = ckpt["step"], ckpt["time"]
+    run.truncate_metrics(after_step=start - 1)
+    for k in range(start, cfg.steps + 1):
+        if k % cfg.checkpoint_every == 0 and (k > start or ckpt is None):
+            run.save_checkpoint({"step": k, "time": time, "model": model.state_dict(), "optimizer": opt.state_dict(),
+                                 "generator": gen.get_state(), "monitors": {p: m.state_dict() for p, m in monitors.items()}})
+        x, y = task.batch(gen)
+        loss = task.loss(model(x), y)
+        value = float(loss.detach())
+        if not math.isfinite(value):
+            run.log({"step": k, "time": time, "loss": value, "diverged": True})
+            raise FlowgeomError(f"training diverged at step {k}: the loss is {value} (lr={cfg.lr}); metrics up to "
+                                f"step {k} are in {run.path}; lower --lr")
+        if k % cfg.log_every == 0 or k == cfg.steps:
+            run.log(_record(monitors, k, time, value))
+        if progress is not None:
+            progress(k, cfg.steps)
+        if k == cfg.steps:
+            break
+        tau = step_size(cfg, k)
+        for group in opt.param_groups:
+            group["lr"] = tau
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        time += tau
+        if stop_after is not None and k + 1 >= stop_after:
+            return None
+    metrics = run.metrics()
+    summary = {"final": metrics[-1], "steps": cfg.steps, "families": monitors[""].families("eps"),
+               "controls": monitors[""].families("control"), "refuted": monitors[""].families("refuted")}
+    figure = plot_run(metrics, run.figures / "drift.png", title=_title(cfg))
+    summary["figure"] = str(figure)
+    run.finish(summary)
+    return summary
+
+
+def _title(cfg: ConservationConfig) -> str:
+    model = f"ViT ({cfg.data})" if cfg.task == "vit" else f"LM {cfg.positions}/{cfg.mlp}" + (
+        f" {cfg.gate}{'' if cfg.top_k is None else f' top-{cfg.top_k}'}" if cfg.mlp == "moe" else "")
+    regime = "GD" if cfg.full_batch else "SGD"
+    return f"{model}, {regime} {cfg.optimizer} τ={cfg.lr:g} λ={cfg.weight_decay:g} seed {cfg.seed}"
+
+
+# ---------------------------------------------------------------- figures and grids
+
+def plot_run(metrics: Sequence[Mapping[str, Any]], path: str | Path, *, title: str = "") -> Path:
+    """ε(k) per law family (solid), controls (dashed), refuted claims (dotted); log scale."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    keys = sorted({k for m in metrics for k in m if "/" in k and "@" not in k})
+    steps = [m["step"] for m in metrics]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for key in keys:
+        ys = [max(m.get(key, float("nan")), 1e-18) for m in metrics]
+        style = ":" if key.startswith("refuted/") else "--" if key.startswith("control/") else "-"
+        ax.plot(steps[1:], ys[1:], style, label=key)
+    ax.set_yscale("log")
+    ax.set_xlabel("step k")
+    ax.set_ylabel("relative drift ε(k)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def run_grid(base: ConservationConfig, out: str | Path, *, archs: Sequence[str], lrs: Sequence[float],
+             seeds: Sequence[int], resume: bool = False,
+             progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    """architecture × lr × seed, one run folder each: ``out/ARCH/lr=τ/seed=S``.
+
+    Returns one row per run: arch, lr, seed, final ε per family/control, path.
+    Runs that diverge are kept as rows with ``diverged`` and their message.
+    """
+    rows = []
+    for arch in archs:
+        for lr in lrs:
+            for seed in seeds:
+                cfg = base.replace(**ARCHS[arch], lr=lr, seed=seed) if arch in ARCHS else None
+                if cfg is None:
+                    raise choice_error("architecture", arch, ARCHS)
+                path = Path(out) / arch / f"lr={lr:g}" / f"seed={seed}"
+                if progress:
+                    progress(f"{arch} lr={lr:g} seed={seed}")
+                row = {"arch": arch, "lr": lr, "seed": seed, "path": str(path)}
+                try:
+                    summary = run_conservation(cfg, path, resume=resume)
+                    row.update({k: v for k, v in summary["final"].items() if "@" not in k})
+                except FlowgeomError as exc:
+                    if "diverged" not in str(exc):
+                        raise
+                    row.update({"diverged": True, "message": str(exc)})
+                rows.append(row)
+    return rows

@@ -1,0 +1,239 @@
+"""Drift of the conservation laws during real training.
+
+Seed 000 measures how far discrete training drifts from the invariants of
+gradient flow with the *conservation error* of a law family in a block,
+
+    ε(k) = (1/N) Σ_i ‖h_i(θ_k) − h_i(θ_0)‖ / ‖h_i(θ_0)‖,
+
+where h_1..h_N are the family's laws in that block (one per attention head,
+one vector of m scalars for a SwiGLU, ...). For plain gradient descent with
+step τ a quadratic law changes by exactly τ²·q(∇L) per step
+(h(θ − τg) − h(θ) = −τ⟨∇h, g⟩ + τ² q(g), and ⟨∇h, g⟩ = 0), so
+ε(k) = O(τ²k); a non-conserved *control* (e.g. ‖W_Q‖²_F) moves at first
+order, O(τk).
+
+**Only plain GD / SGD.** Momentum and Adam change the direction of the
+step (no longer a combination of the model's Jacobian rows), so the first-
+order term no longer vanishes; weight decay adds −λθ to the flow. For the
+flow θ̇ = −∇L(θ) − λθ a law h homogeneous of degree d (d = 2 for every
+quadratic law of the catalogue, d = 1 for the router sum) obeys
+ḣ = ⟨∇h, −∇L⟩ − λ⟨∇h, θ⟩ = −dλh (Euler), so e^{dλt}·h(θ_t) is conserved:
+pass ``weight_decay=λ`` (and the step size ``lr`` so that t = k·τ, or pass
+``time=`` to :meth:`ConservationMonitor.step`).
+
+Use in any PyTorch loop::
+
+    mon = ConservationMonitor(model, every=10, run=run_folder)
+    for k in range(steps):
+        mon.step(k)                 # measures (and logs) when k % every == 0
+        loss = ...; loss.backward(); opt.step()
+
+Evaluation is vectorised: float64 copies of only the parameters the laws
+read, every law evaluated in one pass under ``no_grad``, then one segmented
+reduction for all the ε's. Keys of a record: ``eps/<family>`` (mean over all
+blocks), ``eps/<family>@<block>``, ``control/<family>[@<block>]`` (relative
+change of the non-conserved controls), ``refuted/<family>[@<block>]``
+(claims the catalogue measured false, e.g. the sigmoid-gate router sum).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from flowgeom.errors import FlowgeomError
+from flowgeom.laws.catalogue import CatalogueEntry, Law
+from flowgeom.laws.locate import locate
+
+PLAIN_GD_WARNING = (
+    "flowgeom: conservation laws hold for plain gradient descent / SGD only; momentum, Adam and "
+    "weight decay break them (for weight decay pass weight_decay=λ to track the rescaled laws e^{dλt}·h)"
+)
+_warned = False
+
+
+def warn_plain_gd_only(optimizer: torch.optim.Optimizer | None = None) -> bool:
+    """Warn once per process unless ``optimizer`` is plain SGD (no momentum, no weight decay)."""
+    global _warned
+    if optimizer is not None and is_plain_sgd(optimizer):
+        return False
+    if not _warned:
+        warnings.warn(PLAIN_GD_WARNING, UserWarning, stacklevel=3)
+        _warned = True
+    return True
+
+
+def is_plain_sgd(optimizer: torch.optim.Optimizer) -> bool:
+    """True for ``torch.optim.SGD`` with momentum 0 and weight decay 0 in every group."""
+    return type(optimizer) is torch.optim.SGD and all(
+        g.get("momentum", 0) == 0 and g.get("weight_decay", 0) == 0 for g in optimizer.param_groups
+    )
+
+
+@dataclass(frozen=True)
+class Tracked:
+    """One monitored quantity: a law (or control / refuted claim) with its report group."""
+
+    law: Law
+    kind: str    # "eps" | "control" | "refuted"
+    family: str  # report family, e.g. "attn.qk" or "norm.q_proj"
+    block: str   # module path, e.g. "layers.0.self_attn"
+
+
+def _block_of(law: Law) -> str:
+    module = law.params[0].rsplit(".", 2)[0] if law.params[0].count(".") >= 2 else ""
+    return re.sub(r"\.experts\.\d+$", "", module)  # an expert's laws belong to its MoE
+
+
+def _tracked(entry: CatalogueEntry, include_refuted: bool) -> list[Tracked]:
+    out = [Tracked(law, "eps", law.family, _block_of(law)) for law in entry.laws]
+    for law in entry.controls:
+        leaf = law.params[0].rsplit(".", 2)[-2] if "." in law.params[0] else law.params[0]
+        out.append(Tracked(law, "control", f"norm.{leaf}", _block_of(law)))
+    if include_refuted:
+        out += [Tracked(law, "refuted", law.family, _block_of(law)) for law in entry.refuted]
+    return out
+
+
+def homogeneity_degree(law: Law, params: Mapping[str, Tensor]) -> int:
+    """The degree d with h(sθ) = s^d h(θ), measured at s = 2 (raises if h is not homogeneous)."""
+    p = {n: params[n].detach().double() for n in law.params}
+    h1 = law.evaluate(p)
+    h2 = law.evaluate({n: 2 * v for n, v in p.items()})
+    n1 = float(h1.norm())
+    if n1 == 0.0:
+        raise FlowgeomError(f"law {law.name!r} is zero at θ; its homogeneity degree cannot be measured")
+    d = round(math.log2(float(h2.norm()) / n1))
+    if not torch.allclose(h2, (2.0 ** d) * h1, rtol=1e-9, atol=1e-12 * n1):
+        raise FlowgeomError(f"law {law.name!r} is not homogeneous; the weight-decay rescaling e^(dλt)·h needs one")
+    return d
+
+
+class ConservationMonitor:
+    """Record ε(k) per law family and block (and the controls) during training.
+
+    ``laws``: ``None`` (locate every zoo / HF-named block, see
+    :func:`flowgeom.laws.locate.locate`), a :class:`CatalogueEntry`, or a
+    sequence of :class:`Law`. θ_0 is the model's parameters at construction
+    (or at :meth:`reset`). ``run`` (a :class:`flowgeom.runs.RunFolder`)
+    receives each record through ``run.log``. ``per_block=False`` keeps only
+    the per-family means.
+    """
+
+    def __init__(self, model: nn.Module, laws: CatalogueEntry | Sequence[Law] | None = None, *, every: int = 1,
+                 run: Any = None, optimizer: torch.optim.Optimizer | None = None, weight_decay: float = 0.0,
+                 lr: float | None = None, include_refuted: bool = True, per_block: bool = True,
+                 heads: int | None = None, positions: str | None = None, warn: bool = True):
+        if not isinstance(every, int) or every < 1:
+            raise FlowgeomError(f"every must be a positive integer, got {every!r}")
+        if weight_decay < 0:
+            raise FlowgeomError(f"weight_decay must be ≥ 0, got {weight_decay}")
+        if laws is None:
+            laws = locate(model, heads=heads, positions=positions)
+        entry = laws if isinstance(laws, CatalogueEntry) else CatalogueEntry(tuple(laws), (), ())
+        self.items = _tracked(entry, include_refuted)
+        if not any(t.kind == "eps" for t in self.items):
+            raise FlowgeomError(f"no conservation law found in {type(model).__name__}: it holds no zoo block and no "
+                                "HF-named attention (q/k/v/o_proj) or gated MLP (gate/up/down_proj)")
+        self.model, self.every, self.run, self.per_block = model, every, run, per_block
+        self.weight_decay, self.lr = float(weight_decay), lr
+        if warn:
+            warn_plain_gd_only(optimizer)
+        named = dict(model.named_parameters())
+        missing = sorted({n for t in self.items for n in t.law.params} - set(named))
+        if missing:
+            raise FlowgeomError(f"laws read parameters the model lacks: {', '.join(missing[:5])}; "
+                                "build the laws from this model (ConservationMonitor(model))")
+        self._names = sorted({n for t in self.items for n in t.law.params})
+        self._params = [named[n] for n in self._names]
+        counts = [t.law.count for t in self.items]
+        self._seg = torch.repeat_interleave(torch.arange(len(self.items)), torch.tensor(counts))  # (total,)
+        keys = self._group_keys()
+        self._keys = sorted({k for ks in keys for k in ks})
+        index = {k: i for i, k in enumerate(self._keys)}
+        self._pairs = [(j, index[k]) for j, ks in enumerate(keys) for k in ks]  # (item, group) memberships
+        self._pair_item = torch.tensor([j for j, _ in self._pairs])
+        self._pair_group = torch.tensor([g for _, g in self._pairs])
+        self._group_size = torch.zeros(len(self._keys), dtype=torch.float64).index_add_(
+            0, self._pair_group, torch.ones(len(self._pairs), dtype=torch.float64))
+        self._degree = None
+        if self.weight_decay:
+            p = dict(zip(self._names, self._params))
+            degs = torch.tensor([float(homogeneity_degree(t.law, p)) for t in self.items], dtype=torch.float64)
+            self._degree = degs[self._seg]  # (total,)
+        self.reset()
+
+    def _group_keys(self) -> list[tuple[str, ...]]:
+        keys = []
+        for t in self.items:
+            family = f"{t.kind}/{t.family}"
+            keys.append((family, f"{family}@{t.block}") if self.per_block else (family,))
+        return keys
+
+    @torch.no_grad()
+    def values(self) -> Tensor:
+        """Every tracked quantity at the current θ, float64, concatenated: (total,)."""
+        p = {n: w.detach().to(torch.float64) for n, w in zip(self._names, self._params)}
+        return torch.cat([t.law.evaluate(p).reshape(-1).to("cpu") for t in self.items])
+
+    def reset(self) -> None:
+        """Take the current parameters as θ_0."""
+        self.h0 = self.values()
+        self._h0_norm = self._segment_norm(self.h0)
+
+    def _segment_norm(self, v: Tensor) -> Tensor:
+        sq = torch.zeros(len(self.items), dtype=torch.float64).index_add_(0, self._seg, v * v)
+        return sq.sqrt()
+
+    @torch.no_grad()
+    def measure(self, *, time: float = 0.0) -> dict[str, float]:
+        """ε of every group now; ``time`` = t for the weight-decay rescaling e^{dλt}."""
+        v = self.values()
+        if self._degree is not None:
+            v = v * torch.exp(self._degree * self.weight_decay * time)
+        rel = self._segment_norm(v - self.h0) / self._h0_norm.clamp_min(torch.finfo(torch.float64).tiny)  # (items,)
+        sums = torch.zeros(len(self._keys), dtype=torch.float64).index_add_(0, self._pair_group, rel[self._pair_item])
+        return dict(zip(self._keys, (sums / self._group_size).tolist()))
+
+    def due(self, step: int) -> bool:
+        return step % self.every == 0
+
+    def step(self, step: int, *, time: float | None = None, extra: Mapping[str, Any] | None = None
+             ) -> dict[str, Any] | None:
+        """Measure at ``step`` when it is due: returns the record (also logged to ``run``), else None.
+
+        ``time`` defaults to ``step * lr`` (needed only with weight decay).
+        """
+        if not self.due(step):
+            return None
+        if time is None:
+            if self.weight_decay and self.lr is None:
+                raise FlowgeomError("with weight_decay the monitor needs lr= (t = k·lr) or step(..., time=t)")
+            time = step * (self.lr or 0.0)
+        record = {"step": step, **(extra or {}), **self.measure(time=time)}
+        if self.run is not None:
+            self.run.log(record)
+        return record
+
+    def families(self, kind: str = "eps") -> list[str]:
+        """The per-family keys of one kind ("eps", "control", "refuted")."""
+        return [k for k in self._keys if k.startswith(kind + "/") and "@" not in k]
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """θ_0's law values (for resume: restore before continuing)."""
+        return {"h0": self.h0.clone()}
+
+    def load_state_dict(self, state: Mapping[str, Tensor]) -> None:
+        h0 = state["h0"]
+        if h0.shape != self.h0.shape:
+            raise FlowgeomError(f"monitor state has {h0.numel()} values, this monitor tracks {self.h0.numel()}; "
+                                "it was saved for another model")
+        self.h0 = h0.to(torch.float64).clone()
+        self._h0_norm = self._segment_norm(self.h0)
