@@ -1,0 +1,158 @@
+"""``flowgeom continuity train|ablate|plot``: where continuity comes from (seed ``001_…``).
+
+``register_verbs(verbs)`` adds the verbs to the ``continuity`` area's verb
+sub-parsers (the area itself lives in :mod:`flowgeom.cli.continuity`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from flowgeom.cli._common import add_device, add_json, add_seed, command, console, print_json, resolve_device
+from flowgeom.errors import FlowgeomError
+
+
+def _threads(n: int | None) -> None:
+    if n is not None:
+        import torch
+
+        if n < 1:
+            raise FlowgeomError(f"--threads must be >= 1, got {n}")
+        torch.set_num_threads(n)
+
+
+def _overrides(args: argparse.Namespace, names: tuple[str, ...]) -> dict:
+    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+
+
+def _common_run_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="quick", choices=("quick", "full"), help="scale (default quick)")
+    p.add_argument("--out", required=True, help="run folder (created; refused if it holds a run, unless --resume)")
+    p.add_argument("--resume", action="store_true", help="continue a killed run from its last checkpoint")
+    p.add_argument("--steps", type=int, help="number of updates (default: the preset's)")
+    p.add_argument("--lr", type=float, help="learning rate (default: the preset's)")
+    p.add_argument("--optimizer", choices=("sgd", "adam", "adam_b2_0"), help="optimiser (default adam)")
+    p.add_argument("--log-every", dest="log_every", type=int, help="measure continuity every N steps")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    add_seed(p)
+    add_device(p)
+    add_json(p)
+
+
+def train(args: argparse.Namespace) -> int:
+    _threads(args.threads)
+    resolve_device(args.device)
+    opts = {**_overrides(args, ("steps", "lr", "optimizer", "log_every")), "seed": args.seed, "device": args.device}
+    if args.model == "mlp":
+        from flowgeom.experiments.continuity_mlp import RunFolder, format_ablation, summarise_run, train_mlp, variant_config
+
+        cfg = variant_config(args.variant, args.preset, **opts, **_overrides(args, ("mnist_path",)))
+        summary = train_mlp(cfg, args.out, resume=args.resume)
+        row = summarise_run(RunFolder(args.out))
+        if args.json:
+            print_json({"summary": summary, "row": row})
+        else:
+            console().print(format_ablation([row]), markup=False)
+        return 0 if summary["status"] == "finished" else 1
+    from flowgeom.experiments.continuity_lm import projection_pattern, train_lm
+    from flowgeom.experiments.continuity_lm import lm_config
+    from flowgeom.runs import RunFolder
+
+    cfg = lm_config(args.preset, **opts, **_overrides(args, ("data", "mlp")))
+    summary = train_lm(cfg, args.out, resume=args.resume)
+    pattern = projection_pattern(RunFolder(args.out).metrics())
+    if args.json:
+        print_json({"summary": summary, "pattern": pattern})
+    else:
+        console().print(format_pattern(pattern), markup=False)
+    return 0 if summary["status"] == "finished" else 1
+
+
+def format_pattern(pattern: dict) -> str:
+    """Plain-text projection table: final v1/u1 (× chance), verdict vs seed, formation."""
+    head = (f"{'role':<6}{'v1':>7}{'×':>6}{'u1':>7}{'×':>6}  {'ours':<7}{'seed':<7}"
+            f"{'g_v1@0':>8}{'g_u1@0':>8}{'ΔW v1':>7}{'ΔW u1':>7}{'|ΔW|/|W0|':>10}{'step≥1':>8}")
+    lines = [head, "-" * len(head)]
+    for role, p in pattern.items():
+        lines.append(f"{role:<6}{p['v1']:>7.3f}{p['v1_x']:>6.1f}{p['u1']:>7.3f}{p['u1_x']:>6.1f}  {p['verdict']:<7}"
+                     f"{p['seed']:<7}{p['grad_v1_init']:>8.3f}{p['grad_u1_init']:>8.3f}{p['delta_v1']:>7.3f}"
+                     f"{p['delta_u1']:>7.3f}{p['dw_ratio']:>10.2f}{str(p['step_dw1']):>8}")
+    return "\n".join(lines)
+
+
+def ablate(args: argparse.Namespace) -> int:
+    from flowgeom.experiments.continuity_mlp import CORE, VARIANTS, ablation_figure, format_ablation, run_ablation
+
+    _threads(args.threads)
+    resolve_device(args.device)
+    if args.variants == "core":
+        variants = CORE
+    elif args.variants == "all":
+        variants = tuple(VARIANTS)
+    else:
+        variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
+    opts = {**_overrides(args, ("steps", "lr", "optimizer", "log_every", "mnist_path")), "seed": args.seed,
+            "device": args.device}
+    rows = run_ablation(args.out, preset=args.preset, variants=variants, resume=args.resume, **opts)
+    figure = ablation_figure(args.out, variants, args.figure or Path(args.out) / "ablation.png")
+    from flowgeom.runs import atomic_write_json
+
+    atomic_write_json(Path(args.out) / "ablation.json", {"rows": rows, "figure": str(figure)})
+    if args.json:
+        print_json({"rows": rows, "figure": str(figure)})
+    else:
+        console().print(format_ablation(rows), markup=False)
+        console().print(f"figure: {figure}", markup=False)
+    return 0
+
+
+def plot(args: argparse.Namespace) -> int:
+    from flowgeom.experiments.continuity_figures import plot_roles
+    from flowgeom.runs import RunFolder
+
+    run = RunFolder(args.run)
+    records = run.metrics()
+    if not any("continuity" in r for r in records):
+        raise FlowgeomError(f"{args.run} holds no continuity records; pass a folder written by `continuity train`")
+    path = plot_roles(records, args.figure or run.figures / "continuity.png")
+    print(path)
+    return 0
+
+
+def register_verbs(verbs) -> None:
+    """Add ``train``, ``ablate`` and ``plot`` to the ``continuity`` area's verb sub-parsers."""
+    p = command(verbs, "train", help="train a residual MLP (MNIST) or a small Llama LM with continuity tracking",
+                example="flowgeom continuity train mlp --variant Res+None --out runs/res_none\n"
+                        "flowgeom continuity train lm --preset quick --out runs/lm --mlp swiglu",
+                func=train)
+    p.add_argument("model", choices=("mlp", "lm"), help="residual MLP on MNIST or Llama-style LM on text")
+    p.add_argument("--variant", default="Res+ReLU", help="MLP ablation variant (see `continuity ablate --help`)")
+    p.add_argument("--mnist", dest="mnist_path", help="folder of MNIST IDX files (default: the shipped MNIST)")
+    p.add_argument("--data", help="LM corpus: kjv (default) or a text file / WikiText-103 folder")
+    p.add_argument("--mlp", choices=("swiglu", "gelu", "relu", "silu", "identity"), help="LM MLP (default swiglu)")
+    _common_run_options(p)
+
+    p = command(verbs, "ablate", help="residual-MLP ablation table on MNIST, next to the seed's claims",
+                example="flowgeom continuity ablate --out runs/ablation           # core variants, quick\n"
+                        "flowgeom continuity ablate --variants all --preset full --out runs/ablation_full",
+                func=ablate)
+    p.add_argument("--variants", default="core",
+                   help="core | all | comma list of: Res+ReLU, Res+GELU, Res+SiLU, NoRes, Res+None, Res+Radial, "
+                        "Res+ReLU+LN, Res+None+LN, 'Res+ReLU init0.5', 'Res+ReLU init2', 'Res+ReLU SGD', "
+                        "'Res+ReLU Adam-b2=0'")
+    p.add_argument("--mnist", dest="mnist_path", help="folder of MNIST IDX files (default: the shipped MNIST)")
+    p.add_argument("--figure", help="figure path (default OUT/ablation.png)")
+    _common_run_options(p)
+
+    p = command(verbs, "plot", help="plot tracked continuity against steps from a run folder",
+                example="flowgeom continuity plot runs/lm --figure lm.png", func=plot)
+    p.add_argument("run", help="run folder written by `continuity train`")
+    p.add_argument("--figure", help="output image (default RUN/figures/continuity.png)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """A stand-alone ``continuity`` parser with these verbs (tests; the lead wires the real one)."""
+    parser = argparse.ArgumentParser(prog="flowgeom continuity")
+    register_verbs(parser.add_subparsers(dest="verb", metavar="VERB"))
+    return parser

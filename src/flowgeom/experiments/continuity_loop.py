@@ -1,0 +1,123 @@
+"""The training loop shared by the continuity experiments (MLP and LM).
+
+One loop, any model: it draws batches from an explicit ``torch.Generator``,
+measures :class:`~flowgeom.continuity.dynamics.ContinuityTracker` every
+``log_every`` steps (after ``backward``, before the update, so step 0 is the
+initialisation: gradient coherence before any weight moved), checkpoints every
+``ckpt_every`` updates and writes everything into a :class:`RunFolder`.
+
+Robustness contract (tested):
+
+- **resume**: a killed run restarted with ``resume=True`` reloads model,
+  optimiser, data-generator and ``W(0)`` from its last checkpoint, drops the
+  metric lines logged after it, and reproduces the uninterrupted run's numbers
+  exactly on CPU;
+- **NaN stop**: a non-finite loss logs that step, writes ``summary.json`` with
+  ``status: "nan"`` (all earlier metrics kept) and stops;
+- **seeds**: model init, batches and SVD start blocks all derive from ``seed``.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from flowgeom.continuity.dynamics import ContinuityTracker
+from flowgeom.errors import choice_error
+from flowgeom.runs import RunFolder
+
+OPTIMIZERS = ("sgd", "adam", "adam_b2_0")
+
+
+def make_optimizer(name: str, params, *, lr: float) -> torch.optim.Optimizer:
+    """``sgd`` (momentum 0.9), ``adam`` (β = 0.9, 0.999) or ``adam_b2_0`` (β2 = 0: sign-like steps)."""
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr)
+    if name == "adam_b2_0":
+        return torch.optim.Adam(params, lr=lr, betas=(0.9, 0.0))
+    raise choice_error("optimizer", name, OPTIMIZERS)
+
+
+def _progress(total: int, label: str):
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    err = Console(stderr=True)
+    return Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                    console=err, disable=not err.is_terminal, transient=True)
+
+
+def train_tracked(run: RunFolder, *, config: Mapping[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer,
+                  next_batch: Callable[[torch.Generator], Sequence[torch.Tensor]],
+                  loss_fn: Callable[[nn.Module, Sequence[torch.Tensor]], torch.Tensor],
+                  roles: Mapping[str, Sequence[torch.Tensor]], steps: int, log_every: int, ckpt_every: int,
+                  seed: int, k: int = 4, resume: bool = False, evaluate: Callable[[nn.Module], dict] | None = None,
+                  max_steps: int | None = None, label: str = "train") -> dict[str, Any] | None:
+    """Train ``steps`` updates with continuity tracking; returns the summary.
+
+    ``max_steps`` stops after that many updates without finishing the run (it
+    simulates a kill in tests and lets long runs be done in slices); the
+    return value is then ``None``. A finished run is not retrained on resume.
+    """
+    run.start(config, resume=resume)
+    if resume and run.finished:
+        return run.summary()
+    gen = torch.Generator().manual_seed(seed + 1)
+    tracker = ContinuityTracker(roles, k=k, seed=seed)
+    step0 = 0
+    ckpt = run.load_checkpoint() if resume else None
+    if ckpt is not None:
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        gen.set_state(ckpt["generator"])
+        tracker.load_state_dict(ckpt["tracker"])
+        step0 = int(ckpt["step"])
+    if resume:
+        run.truncate_metrics(after_step=step0 - 1)
+    last: dict[str, Any] = {}
+    loss_value = math.nan
+    with _progress(steps, label) as bar:
+        task = bar.add_task(label, total=steps, completed=step0)
+        for step in range(step0, steps):
+            batch = next_batch(gen)
+            optimizer.zero_grad(set_to_none=True)
+            loss = loss_fn(model, batch)
+            loss_value = float(loss.detach())
+            if not math.isfinite(loss_value):
+                run.log({"step": step, "loss": loss_value})
+                summary = {"status": "nan", "step": step, "loss": loss_value,
+                           "message": f"loss became {loss_value} at step {step}; lower the learning rate",
+                           "last": last}
+                run.finish(summary)
+                return summary
+            loss.backward()
+            if step % log_every == 0 or step == steps - 1:
+                last = {"step": step, "loss": loss_value, "continuity": tracker.measure()}
+                run.log(last)
+            optimizer.step()
+            bar.advance(task)
+            done = step + 1
+            if done % ckpt_every == 0 and done < steps:
+                run.save_checkpoint({"step": done, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                                     "generator": gen.get_state(), "tracker": tracker.state_dict()})
+            if max_steps is not None and done >= max_steps and done < steps:
+                return None
+    summary = {"status": "finished", "steps": steps, "final_loss": loss_value, "last": last}
+    if evaluate is not None:
+        model.eval()
+        with torch.no_grad():
+            summary["eval"] = evaluate(model)
+    run.finish(summary)
+    return summary
+
+
+def log_progress(message: str) -> None:
+    """One line of progress on stderr (for sweeps of many runs)."""
+    print(message, file=sys.stderr, flush=True)
