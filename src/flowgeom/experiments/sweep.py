@@ -1,0 +1,292 @@
+"""Sweeps: a grid of configs, one run folder per config, resumable, on a backend.
+
+Layout under ``out``::
+
+    out/runs/<claim id>/<run id>/   one RunFolder per config (config.json,
+                                    metrics.jsonl, checkpoint.pt, timing.json,
+                                    summary.json written last = finished)
+
+Run ids are deterministic functions of the config
+(:func:`flowgeom.experiments.registry.run_id`), so a second invocation finds
+the same folders. With ``resume`` a finished run (``summary.json`` present) is
+skipped and an interrupted one is handed to its run function with
+``resume=True`` to continue from its checkpoint. Without ``resume`` a sweep
+refuses an ``out`` that already holds runs.
+
+Backends: ``local`` runs sequentially in this process (``jobs=1``) or in a
+spawn-context process pool (``jobs>1``); ``ray`` submits one Ray task per run
+(``ray`` is imported only then; run folders must lie on a path every node
+sees). A run that raises, a write that fails (disk full, unwritable folder)
+or a worker that dies is recorded as a failed :class:`Outcome` with the
+reason; every other run still finishes and keeps its result.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import multiprocessing
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from flowgeom.errors import FlowgeomError, choice_error
+from flowgeom.experiments.registry import Claim, RunFn, run_id
+from flowgeom.runs import RunFolder, atomic_write_bytes, atomic_write_json
+
+BACKENDS = ("local", "ray")
+TIMING = "timing.json"
+ERROR = "error.txt"
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One config of one claim, bound to its folder."""
+
+    claim_id: str
+    run_id: str
+    config: dict[str, Any]
+    path: Path
+    run: RunFn
+
+    @property
+    def key(self) -> str:
+        return f"{self.claim_id}/{self.run_id}"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What happened to one run: ``finished``, ``skipped`` (already finished) or ``failed``."""
+
+    key: str
+    status: str
+    seconds: float = 0.0
+    error: str = ""
+    resumed: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"run": self.key, "status": self.status, "seconds": round(self.seconds, 3),
+                "error": self.error, "resumed": self.resumed}
+
+
+def plan(claims: Sequence[Claim], *, scale: str, out: str | os.PathLike) -> list[RunSpec]:
+    """Every run of every runnable claim at ``scale`` ("quick" or "full")."""
+    root = Path(out).resolve() / "runs"
+    specs = []
+    for claim in claims:
+        if claim.unavailable:
+            continue
+        seen = set()
+        for config in claim.grid(scale):
+            rid = run_id(config)
+            if rid in seen:
+                raise FlowgeomError(f"claim {claim.id}: its {scale} grid repeats the config {dict(config)}")
+            seen.add(rid)
+            specs.append(RunSpec(claim.id, rid, dict(config), root / claim.id / rid, claim.run))
+    return specs
+
+
+def check_out(out: str | os.PathLike, specs: Sequence[RunSpec], *, resume: bool) -> None:
+    """Validate ``out`` before any run starts: writable, and not holding runs unless resuming."""
+    out = Path(out)
+    probe = out / ".flowgeom-write-probe"
+    try:
+        atomic_write_bytes(probe, b"ok\n")
+        probe.unlink()
+    except (FlowgeomError, OSError) as exc:
+        raise FlowgeomError(f"output folder {out} is not writable ({exc}); choose a writable --out") from exc
+    if not resume:
+        existing = [s.key for s in specs if (s.path / RunFolder.CONFIG).exists()]
+        if existing:
+            raise FlowgeomError(
+                f"{out} already holds {len(existing)} of these runs (e.g. {existing[0]}); "
+                "pass --resume to continue them or choose another --out"
+            )
+
+
+def execute(spec: RunSpec, resume: bool) -> Outcome:
+    """Run one spec into its folder (module-level: pools and Ray pickle it).
+
+    Never raises for a failing run: the exception becomes a failed Outcome
+    (and, when the folder is writable, ``error.txt`` with the traceback).
+    """
+    folder = RunFolder(spec.path)
+    if folder.finished:
+        return Outcome(spec.key, "skipped")
+    start = time.perf_counter()
+    resuming = False
+    try:
+        resuming = resume and (folder.path / RunFolder.CONFIG).exists()
+        folder.start(spec.config, resume=resume)
+        (folder.path / ERROR).unlink(missing_ok=True)
+        summary = spec.run(spec.config, folder, resuming)
+        if not isinstance(summary, dict):
+            raise FlowgeomError(f"run function of {spec.claim_id} returned {type(summary).__name__}, not a dict")
+        seconds = time.perf_counter() - start
+        atomic_write_json(folder.path / TIMING, {"seconds": seconds, "resumed": resuming, "pid": os.getpid()})
+        folder.finish(summary)
+        return Outcome(spec.key, "finished", seconds, resumed=resuming)
+    except Exception as exc:  # noqa: BLE001 - every failure is reported, the sweep goes on
+        reason = _reason(exc)
+        try:
+            atomic_write_bytes(folder.path / ERROR, (reason + "\n\n" + traceback.format_exc()).encode())
+        except Exception:  # noqa: BLE001 - the folder itself may be what failed
+            pass
+        return Outcome(spec.key, "failed", time.perf_counter() - start, error=reason, resumed=resuming)
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.errno == 28:
+        return f"disk full while writing ({exc}); free space, then rerun with --resume"
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else '(no message)'}"
+
+
+Callback = Callable[[RunSpec, Outcome], None]
+
+
+@dataclass(frozen=True)
+class SweepResult:
+    outcomes: tuple[Outcome, ...]
+    seconds: float
+    backend: str
+
+    @property
+    def failed(self) -> list[Outcome]:
+        return [o for o in self.outcomes if o.status == "failed"]
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+    def as_dict(self) -> dict[str, Any]:
+        counts = {s: sum(o.status == s for o in self.outcomes) for s in ("finished", "skipped", "failed")}
+        return {"backend": self.backend, "seconds": round(self.seconds, 3), **counts,
+                "runs": [o.as_dict() for o in self.outcomes]}
+
+
+def run_sweep(specs: Sequence[RunSpec], *, backend: str = "local", jobs: int = 1, resume: bool = False,
+              on_start: Callable[[RunSpec], None] | None = None, on_done: Callback | None = None) -> SweepResult:
+    """Execute every spec on ``backend``; see the module docstring.
+
+    ``on_start``/``on_done`` are called in this process (progress display).
+    Results come back in ``specs`` order whatever the completion order.
+    """
+    if backend not in BACKENDS:
+        raise choice_error("backend", backend, BACKENDS)
+    if jobs < 1:
+        raise FlowgeomError(f"--jobs must be a positive integer, got {jobs}")
+    start = time.perf_counter()
+    on_start = on_start or (lambda spec: None)
+    on_done = on_done or (lambda spec, outcome: None)
+    if backend == "ray":
+        done = _run_ray(specs, resume=resume, jobs=jobs, on_start=on_start, on_done=on_done)
+    elif jobs == 1:
+        done = {}
+        for spec in specs:
+            on_start(spec)
+            done[spec.key] = execute(spec, resume)
+            on_done(spec, done[spec.key])
+    else:
+        done = _run_pool(specs, resume=resume, jobs=jobs, on_start=on_start, on_done=on_done)
+    return SweepResult(tuple(done[s.key] for s in specs), time.perf_counter() - start, backend)
+
+
+def _run_pool(specs, *, resume, jobs, on_start, on_done) -> dict[str, Outcome]:
+    """A spawn process pool with at most ``jobs`` runs in flight.
+
+    If a worker dies (killed, segfault, out of memory) the pool breaks and
+    every run in flight dies with it. Those runs become suspects: each is
+    retried alone in a fresh pool (resuming from its checkpoint), so the one
+    that kills its worker again is reported failed and the others finish.
+    """
+    ctx = multiprocessing.get_context("spawn")
+    queue = [(spec, resume) for spec in specs]
+    suspects: list[RunSpec] = []
+    done: dict[str, Outcome] = {}
+    while queue or suspects:
+        alone = bool(suspects)
+        batch = [(suspects.pop(0), True)] if alone else queue
+        with cf.ProcessPoolExecutor(max_workers=1 if alone else jobs, mp_context=ctx) as pool:
+            flying: dict[cf.Future, RunSpec] = {}
+            broken = False
+            while (batch or flying) and not broken:
+                while batch and len(flying) < (1 if alone else jobs):
+                    spec, res = batch.pop(0)
+                    if not alone:
+                        on_start(spec)
+                    flying[pool.submit(execute, spec, res)] = spec
+                finished, _ = cf.wait(flying, return_when=cf.FIRST_COMPLETED)
+                for fut in finished:
+                    if isinstance(fut.exception(), cf.process.BrokenProcessPool):
+                        broken = True
+                        continue
+                    spec = flying.pop(fut)
+                    done[spec.key] = fut.result()
+                    on_done(spec, done[spec.key])
+            for fut, spec in flying.items():  # the pool broke under these runs
+                if fut.done() and fut.exception() is None:
+                    done[spec.key] = fut.result()
+                elif alone:
+                    done[spec.key] = Outcome(spec.key, "failed", error="its worker process died (killed or crashed) "
+                                             "while running it, also when run alone; rerun with --resume")
+                else:
+                    suspects.append(spec)
+                    continue
+                on_done(spec, done[spec.key])
+    return done
+
+
+def _run_ray(specs, *, resume, jobs, on_start, on_done) -> dict[str, Outcome]:
+    """One Ray task per run (``max_retries=0``: a dead worker is reported, not silently rerun).
+
+    Uses the Ray instance already initialised in this process if any, else
+    the cluster named by ``RAY_ADDRESS``, else starts a local one with
+    ``jobs`` CPUs (or all of them when ``jobs == 1``) and shuts it down after.
+    """
+    try:
+        import ray
+    except ImportError as exc:
+        raise FlowgeomError("--backend ray needs Ray: pip install 'ray==2.60.0' (or use --backend local)") from exc
+    started = False
+    if not ray.is_initialized():
+        address = os.environ.get("RAY_ADDRESS")
+        kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False, "configure_logging": False}
+        if address:
+            ray.init(address=address, **kwargs)
+        else:
+            ray.init(num_cpus=jobs if jobs > 1 else os.cpu_count(),
+                     runtime_env={"env_vars": {"PYTHONPATH": python_path()}}, **kwargs)
+        started = True
+    try:
+        task = ray.remote(max_retries=0, num_cpus=1)(execute)
+        refs = {}
+        for spec in specs:
+            on_start(spec)
+            refs[task.remote(spec, resume)] = spec
+        done: dict[str, Outcome] = {}
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            spec = refs[ready[0]]
+            try:
+                outcome = ray.get(ready[0])
+            except ray.exceptions.RayError as exc:
+                first = (str(exc).strip().splitlines() or [""])[0]
+                outcome = Outcome(spec.key, "failed", error=f"Ray worker failed ({type(exc).__name__}: {first}); "
+                                  "rerun with --resume")
+            done[spec.key] = outcome
+            on_done(spec, outcome)
+        return done
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def python_path() -> str:
+    """This interpreter's import path as a PYTHONPATH value (for workers started elsewhere)."""
+    return os.pathsep.join(p for p in sys.path if p)

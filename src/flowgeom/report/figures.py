@@ -1,0 +1,94 @@
+"""Small matplotlib helpers shared by the claim adapters (Agg backend, PNG out).
+
+Every helper takes the target path, writes the PNG atomically and returns the
+path, so a verdict function can list its figures directly.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from flowgeom.runs import atomic_write_bytes
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save(fig, path: str | os.PathLike) -> Path:
+    """Write ``fig`` as PNG to ``path`` (atomic) and close it."""
+    plt = _pyplot()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())
+    return Path(path)
+
+
+def log_bars(path: str | os.PathLike, groups: Mapping[str, Mapping[str, float]], *, title: str, ylabel: str,
+             threshold: float | None = None, threshold_label: str = "") -> Path:
+    """Grouped bars on a log axis: ``groups[label][series] = value`` (zeros drawn at 1e-18).
+
+    Used for violations (a real law at round-off ~1e-16 vs an O(1) control).
+    """
+    plt = _pyplot()
+    labels = list(groups)
+    series = sorted({s for g in groups.values() for s in g})
+    fig, ax = plt.subplots(figsize=(max(5.0, 0.9 * len(labels) + 2), 3.4))
+    width = 0.8 / max(1, len(series))
+    for k, name in enumerate(series):
+        xs = [i + (k - (len(series) - 1) / 2) * width for i in range(len(labels))]
+        ys = [max(abs(groups[lab].get(name, float("nan"))), 1e-18) for lab in labels]
+        ax.bar(xs, ys, width=width, label=name)
+    if threshold is not None:
+        ax.axhline(threshold, color="k", ls="--", lw=1, label=threshold_label or f"{threshold:g}")
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(labels)))
+    ax.set_xticklabels(labels, rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7)
+    return save(fig, path)
+
+
+def paired_bars(path: str | os.PathLike, labels: Sequence[str], left: Sequence[float], right: Sequence[float], *,
+                names: tuple[str, str], title: str, ylabel: str) -> Path:
+    """Two bars per label (e.g. the seed's count vs our count)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(max(5.0, 0.9 * len(labels) + 2), 3.4))
+    xs = range(len(labels))
+    ax.bar([x - 0.2 for x in xs], left, width=0.4, label=names[0])
+    ax.bar([x + 0.2 for x in xs], right, width=0.4, label=names[1])
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels(labels, rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7)
+    return save(fig, path)
+
+
+def curves(path: str | os.PathLike, series: Mapping[str, tuple[Sequence[float], Sequence[float]]], *, title: str,
+           xlabel: str, ylabel: str, logx: bool = False, logy: bool = False) -> Path:
+    """One line per named ``(x, y)`` series."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(5.5, 3.4))
+    for name, (x, y) in series.items():
+        ax.plot(list(x), list(y), marker="o", ms=3, label=name)
+    if logx:
+        ax.set_xscale("log")
+    if logy:
+        ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    if series:
+        ax.legend(fontsize=7)
+    return save(fig, path)
