@@ -1,9 +1,210 @@
-"""`flowgeom conserve ...` (not implemented yet)."""
+"""``flowgeom conserve run|scaling``: drift of the conservation laws in real training."""
 
 from __future__ import annotations
 
-from flowgeom.cli._common import area
+import argparse
+import dataclasses
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from flowgeom.cli._common import add_device, add_json, area, command, console, print_json
+from flowgeom.errors import FlowgeomError
+
+QUICK_RUN = {"archs": None, "lrs": (0.05, 0.2), "seeds": 1, "steps": 100, "regimes": ("gd", "sgd")}
+FULL_RUN = {"archs": None, "lrs": (0.01, 0.03, 0.1), "seeds": 10, "steps": 20_000, "regimes": ("gd", "sgd")}
+# Paper scale (seed 000): a 12-layer LM on WikiText-103 (--text PATH) and a ViT on ImageNet (--images PATH).
+FULL_MODEL = {"d_model": 512, "n_layers": 12, "heads": 8, "d_k": 64, "d_hidden": 1376, "seq_len": 256, "batch": 64,
+              "corpus_chars": 0, "n_train": 1_281_167, "log_every": 100, "checkpoint_every": 1000}
+
+
+@contextmanager
+def _progress(enabled: bool):
+    """A rich status line on stderr (silent when stderr is not a terminal)."""
+    from rich.console import Console
+
+    if not enabled or not sys.stderr.isatty():
+        yield lambda msg: None
+        return
+    with Console(stderr=True).status("starting") as status:
+        yield lambda msg: status.update(msg)
+
+
+def _threads(args: argparse.Namespace) -> None:
+    import torch
+
+    if args.threads < 1:
+        raise FlowgeomError(f"--threads must be ≥ 1, got {args.threads}")
+    torch.set_num_threads(args.threads)
+
+
+def _run_base(args: argparse.Namespace, preset: dict[str, Any]):
+    from flowgeom.experiments.conservation import ConservationConfig
+
+    model = FULL_MODEL if args.full else {}
+    return ConservationConfig(
+        steps=args.steps or preset["steps"], optimizer=args.optimizer, weight_decay=args.weight_decay,
+        schedule=args.schedule, batch=args.batch or model.get("batch", 32), device=args.device,
+        **{k: v for k, v in model.items() if k != "batch"},
+    )
+
+
+def run_cmd(args: argparse.Namespace) -> int:
+    from flowgeom.experiments.conservation import ARCHS, plot_grid, run_grid
+
+    _threads(args)
+    preset = FULL_RUN if args.full else QUICK_RUN
+    archs = args.arch or [a for a in ARCHS if args.task in ("both", ARCHS[a]["task"])]
+    unknown = [a for a in archs if a not in ARCHS]
+    if unknown:
+        raise FlowgeomError(f"unknown --arch {unknown[0]!r}; choose from {', '.join(ARCHS)}")
+    lrs = args.lr or list(preset["lrs"])
+    seeds = [args.seed + i for i in range(args.seeds or preset["seeds"])]
+    regimes = [args.regime] if args.regime != "both" else list(preset["regimes"])
+    base = _run_base(args, preset)
+    out = Path(args.out)
+    rows = []
+    with _progress(not args.json) as say:
+        for regime in regimes:
+            for arch in archs:
+                data = args.images if ARCHS[arch]["task"] == "vit" else args.text
+                cfg = base.replace(full_batch=regime == "gd", data=data or "default")
+                for row in run_grid(cfg, out / regime, archs=[arch], lrs=lrs, seeds=seeds, resume=args.resume,
+                                    progress=lambda m, r=regime: say(f"{r} {m}")):
+                    rows.append({"regime": regime, **row})
+    figures = {}
+    for regime in regimes:
+        sel = [r for r in rows if r["regime"] == regime]
+        figures[regime] = str(plot_grid(sel, out / "figures" / f"drift_{regime}.png",
+                                        title=f"{'full-batch GD' if regime == 'gd' else 'mini-batch SGD'}, {base.optimizer}"))
+    payload = {"out": str(out), "config": dataclasses.asdict(base), "runs": rows, "figures": figures}
+    if args.json:
+        print_json(payload)
+    else:
+        _print_runs(rows, figures)
+    diverged = [r for r in rows if r.get("diverged")]
+    if diverged:
+        raise FlowgeomError(f"{len(diverged)} of {len(rows)} runs diverged (kept, flagged in the table); first: "
+                            f"{diverged[0]['message']}")
+    return 0
+
+
+def _print_runs(rows: list[dict[str, Any]], figures: dict[str, str]) -> None:
+    from rich.table import Table
+
+    from flowgeom.experiments.conservation import _mean
+
+    table = Table(title="conservation drift ε at the last step (mean over families)")
+    for col in ("regime", "arch", "lr", "seed", "loss", "ε laws", "worst law family", "ε controls", "ε refuted"):
+        table.add_column(col, justify="right" if col in ("lr", "seed", "loss") or col.startswith("ε") else "left")
+    for r in rows:
+        if r.get("diverged"):
+            table.add_row(r["regime"], r["arch"], f"{r['lr']:g}", str(r["seed"]), "diverged", "", "", "", "")
+            continue
+        fam = {k: v for k, v in r.items() if k.startswith("eps/")}
+        worst = max(fam, key=fam.get)
+        refuted = _mean(r, "refuted")
+        table.add_row(r["regime"], r["arch"], f"{r['lr']:g}", str(r["seed"]), f"{r['loss']:.3f}",
+                      f"{_mean(r, 'eps'):.2e}", f"{worst[4:]} {fam[worst]:.2e}", f"{_mean(r, 'control'):.2e}",
+                      "" if refuted != refuted else f"{refuted:.2e}")
+    con = console()
+    con.print(table)
+    for regime, path in figures.items():
+        con.print(f"figure ({regime}): {path}")
+
+
+def scaling_cmd(args: argparse.Namespace) -> int:
+    from flowgeom.experiments.scaling import FULL, QUICK, run_scaling
+
+    _threads(args)
+    cfg = FULL if args.full else QUICK
+    changes: dict[str, Any] = {"seed": args.seed, "device": args.device}
+    if args.arch:
+        changes["archs"] = tuple(args.arch)
+    if args.tau:
+        changes["taus"] = tuple(args.tau)
+    if args.steps:
+        changes["steps"] = args.steps
+    if args.text:
+        changes["data"] = args.text
+    cfg = dataclasses.replace(cfg, **changes)
+    with _progress(not args.json) as say:
+        result = run_scaling(cfg, args.out, resume=args.resume, progress=say)
+    if args.json:
+        print_json(result)
+    else:
+        _print_scaling(result)
+    return 0
+
+
+def _fmt(fit: dict | None) -> str:
+    if fit is None:
+        return "at round-off (no slope)"
+    return f"{fit['slope']:.3f}  95% CI [{fit['low']:.3f}, {fit['high']:.3f}]  (n={fit['n']}, r²={fit['r2']:.4f})"
+
+
+def _print_scaling(result: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    con = console()
+    cfg = result["config"]
+    table = Table(title=f"log-log slopes: ε vs τ at k={cfg['steps']} (laws ≈ 2, controls ≈ 1); "
+                        f"ε vs k at τ={result['k_tau']:g} (≈ 1)")
+    for col in ("arch", "quantity", "slope in τ", "slope in k"):
+        table.add_column(col)
+    for arch, r in result["archs"].items():
+        for g, fit in r["tau_fits"].items():
+            table.add_row(arch, g, _fmt(fit), _fmt(r["k_fits"].get(g)) if g in r["k_fits"] else "")
+    con.print(table)
+    s = result["schedules"]
+    for name in ("constant", "inverse"):
+        row = s[name]
+        con.print(f"{s['arch']} τ0={s['tau0']:g} {name:8s}: ε(k/2)={row['eps_half']:.3e} ε(k)={row['eps_end']:.3e}  "
+                  f"slope in k over the second half {_fmt(row['k_fit_second_half'])}")
+    for arch, row in result["router"].items():
+        con.print(f"router sum Σ_e W_e, {arch} ({row['key']}): slope in τ {_fmt(row['tau_fit'])}, "
+                  f"max ε {row['max_eps']:.2e}")
+    con.print(f"figure: {result['figure']}")
+
+
+def _common(p: argparse.ArgumentParser, default_out: str) -> None:
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="laptop-scale defaults (the default; < 3 min on 2 cores)")
+    size.add_argument("--full", action="store_true", help="paper-scale configuration (GPU / cluster; give dataset paths)")
+    p.add_argument("--out", default=default_out, help=f"output folder (default {default_out})")
+    p.add_argument("--resume", action="store_true", help="continue killed runs from their checkpoints; skip finished ones")
+    p.add_argument("--seed", type=int, default=0, help="first random seed (default 0)")
+    p.add_argument("--steps", type=int, default=None, help="training steps per run (default: preset)")
+    p.add_argument("--arch", action="append", help="architecture (repeatable); see `--arch help`")
+    p.add_argument("--text", default=None, help="LM corpus: a text file or a WikiText-103/PTB folder (default: KJV)")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: fastest for these small models)")
+    add_device(p)
+    add_json(p)
 
 
 def register(sub) -> None:
-    area(sub, "conserve", "conserve commands (not implemented yet)")
+    verbs = area(sub, "conserve", "drift of the conservation laws in real training (seed 000)")
+    p = command(verbs, "run", help="train LMs on text and ViTs on images; record ε(k) per law family with controls",
+                example="flowgeom conserve run --quick --out runs/conserve\n"
+                        "flowgeom conserve run --arch moe-dense-sigmoid --lr 0.1 --regime gd --steps 200\n"
+                        "flowgeom conserve run --full --text data/wikitext-103 --images data/imagenet --out runs/paper",
+                func=run_cmd)
+    _common(p, "runs/conserve")
+    p.add_argument("--task", choices=("lm", "vit", "both"), default="both", help="which models (default both)")
+    p.add_argument("--lr", type=float, action="append", help="step size τ (repeatable; default: preset grid)")
+    p.add_argument("--seeds", type=int, default=None, help="number of seeds from --seed (default: preset)")
+    p.add_argument("--regime", choices=("gd", "sgd", "both"), default="both",
+                   help="full-batch GD, mini-batch SGD, or both (default)")
+    p.add_argument("--optimizer", choices=("sgd", "momentum", "adam"), default="sgd",
+                   help="sgd (the laws' setting); momentum/adam break the laws (default sgd)")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="λ; also records the rescaled laws e^{dλt}·h")
+    p.add_argument("--schedule", choices=("constant", "inverse"), default="constant", help="τ_k = τ or τ/(k+1)")
+    p.add_argument("--batch", type=int, default=None, help="batch size (= training set for gd; default 32)")
+    p.add_argument("--images", default=None, help="ViT data: MNIST IDX, CIFAR-10 python or class folder (default: MNIST)")
+    p = command(verbs, "scaling", help="fit the O(τ²k) law: slopes of ε in τ and k with 95%% CIs, and the router sums",
+                example="flowgeom conserve scaling --quick --out runs/scaling\n"
+                        "flowgeom conserve scaling --arch moe-dense-sigmoid --tau 0.04 --tau 0.02 --tau 0.01 --json",
+                func=scaling_cmd)
+    _common(p, "runs/scaling")
+    p.add_argument("--tau", type=float, action="append", help="step size τ (repeatable; ≥ 3 values)")

@@ -27,6 +27,7 @@ step stay on disk.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -132,15 +133,33 @@ class Task:
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+@functools.lru_cache(maxsize=4)
+def _corpus(source: str, chars: int) -> tuple[int, torch.Tensor]:
+    """(vocabulary size, token ids) of the first ``chars`` characters (0 = all) of a corpus; cached per process."""
+    from flowgeom.data.text import CharVocab, load_text
+
+    text = load_text("kjv" if source == "default" else source, split="train")
+    text = text[:chars] if chars else text
+    vocab = CharVocab.from_text(text)
+    return vocab.size, vocab.encode(text)
+
+
+@functools.lru_cache(maxsize=4)
+def _images(source: str, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Standardised float64 images (N C H W) and labels of the first ``n`` training images; cached."""
+    from flowgeom.data.images import load_images
+
+    images, labels = load_images("mnist" if source == "default" else source, "train", limit=n)
+    x = images.to(torch.float64) / 255.0
+    return (x - x.mean()) / x.std(), labels
+
+
 def _lm_task(cfg: ConservationConfig, dtype: torch.dtype, device: torch.device) -> Task:
-    from flowgeom.data.text import CharVocab, lm_batch, load_text
+    from flowgeom.data.text import lm_batch
     from flowgeom.nn.lm import LMConfig, TinyLM
 
-    text = load_text("kjv" if cfg.data == "default" else cfg.data, split="train")
-    text = text[: cfg.corpus_chars] if cfg.corpus_chars else text
-    vocab = CharVocab.from_text(text)
-    tokens = vocab.encode(text)
-    lm_cfg = LMConfig(vocab=vocab.size, d_model=cfg.d_model, n_layers=cfg.n_layers, heads=cfg.heads, d_k=cfg.d_k,
+    vocab_size, tokens = _corpus(cfg.data, cfg.corpus_chars)
+    lm_cfg = LMConfig(vocab=vocab_size, d_model=cfg.d_model, n_layers=cfg.n_layers, heads=cfg.heads, d_k=cfg.d_k,
                       d_hidden=cfg.d_hidden, seq_len=cfg.seq_len, positions=cfg.positions, mlp=cfg.mlp,
                       experts=cfg.experts, top_k=cfg.top_k, gate=cfg.gate)
     with torch.random.fork_rng(devices=[]):
@@ -159,12 +178,10 @@ def _lm_task(cfg: ConservationConfig, dtype: torch.dtype, device: torch.device) 
 
 
 def _vit_task(cfg: ConservationConfig, dtype: torch.dtype, device: torch.device) -> Task:
-    from flowgeom.data.images import load_images
     from flowgeom.nn.vit import ViT, ViTConfig
 
-    images, labels = load_images("mnist" if cfg.data == "default" else cfg.data, "train", limit=cfg.n_train)
-    x_all = images.to(torch.float64) / 255.0
-    x_all = ((x_all - x_all.mean()) / x_all.std()).to(dtype)  # (N, C, H, W)
+    x_all, labels = _images(cfg.data, cfg.n_train)
+    x_all = x_all.to(dtype)  # (N, C, H, W)
     C, H = x_all.shape[1], x_all.shape[2]
     if H % cfg.patch:
         raise FlowgeomError(f"patch={cfg.patch} does not divide the image side {H}; pick a divisor (--patch)")
@@ -339,3 +356,46 @@ def run_grid(base: ConservationConfig, out: str | Path, *, archs: Sequence[str],
                     row.update({"diverged": True, "message": str(exc)})
                 rows.append(row)
     return rows
+
+
+def _mean(record: Mapping[str, Any], kind: str) -> float:
+    vals = [v for k, v in record.items() if k.startswith(kind + "/") and "@" not in k]
+    return sum(vals) / len(vals) if vals else float("nan")
+
+
+def plot_grid(rows: Sequence[Mapping[str, Any]], path: str | Path, *, title: str = "") -> Path:
+    """One panel per architecture: mean ε over law families (solid) and controls (dashed), one colour per lr."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    archs = list(dict.fromkeys(r["arch"] for r in rows))
+    lrs = sorted({r["lr"] for r in rows})
+    cols = min(4, len(archs))
+    n_rows = -(-len(archs) // cols)
+    fig, axes = plt.subplots(n_rows, cols, figsize=(3.6 * cols, 2.9 * n_rows), squeeze=False)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, arch in zip(axes.flat, archs):
+        for i, lr in enumerate(lrs):
+            for r in (r for r in rows if r["arch"] == arch and r["lr"] == lr and not r.get("diverged")):
+                ms = [m for m in RunFolder(r["path"]).metrics() if m["step"] > 0 and "diverged" not in m]
+                steps = [m["step"] for m in ms]
+                ax.plot(steps, [_mean(m, "eps") for m in ms], "-", color=colours[i % len(colours)], lw=1,
+                        label=f"laws τ={lr:g}" if r["seed"] == rows[0]["seed"] else None)
+                ax.plot(steps, [_mean(m, "control") for m in ms], "--", color=colours[i % len(colours)], lw=1,
+                        label=f"controls τ={lr:g}" if r["seed"] == rows[0]["seed"] else None)
+        ax.set_yscale("log")
+        ax.set_title(arch, fontsize=9)
+        ax.set_xlabel("step k", fontsize=8)
+    for ax in list(axes.flat)[len(archs):]:
+        ax.axis("off")
+    axes.flat[0].set_ylabel("ε(k)")
+    axes.flat[0].legend(fontsize=6)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
