@@ -61,7 +61,7 @@ def counter_verdict(runs, figures_dir: Path) -> Verdict:
 
 
 def boom_verdict(runs, figures_dir: Path) -> Verdict:
-    return Verdict(f"{len(runs)} runs ok", "differs", how="fake <b>claim</b> | with a pipe")
+    return Verdict(f"{len(runs)} runs ok | with a pipe", "differs", how="fake <b>claim</b> differs")
 
 
 def counter_claim(*, n: int = 12, sleep: float = 0.0, seeds=(0, 1, 2)) -> Claim:
