@@ -1,9 +1,133 @@
-"""`flowgeom langevin ...` (not implemented yet)."""
+"""``flowgeom langevin villani|darcy``: the Villani probe and the Darcy-flow experiment (seed ``004_…``)."""
 
 from __future__ import annotations
 
-from flowgeom.cli._common import area
+import argparse
+import sys
+from dataclasses import asdict, replace
+
+from flowgeom.cli._common import add_device, add_json, add_seed, area, command, console, print_json, resolve_device
+from flowgeom.errors import FlowgeomError
+
+
+def _threads(n: int) -> None:
+    import torch
+
+    if n < 1:
+        raise FlowgeomError(f"--threads must be >= 1, got {n}")
+    torch.set_num_threads(n)
+
+
+def run_villani(args: argparse.Namespace) -> int:
+    from flowgeom.langevin import Regularizer, objective, plot, probe
+
+    _threads(args.threads)
+    obj = objective(args.loss, seed=args.seed)
+    if args.reg != "none":
+        obj = obj.with_regularizer(Regularizer(args.reg, lam=args.lam, eps=args.eps))
+    report = probe(obj, temperature=args.temperature, rays=args.rays, r_max=args.r_max, points=args.points,
+                   exact_max_dim=args.exact_max_dim, probes=args.probes, seed=args.seed)
+    if args.figure:
+        plot(report, args.figure)
+    if args.json:
+        print_json(asdict(report))
+        return 0
+    out = console()
+    out.print(f"[bold]{report.objective}[/] + reg [bold]{report.regularizer}[/], s={report.temperature:g}, "
+              f"D={report.dim}, ΔV {'exact' if report.exact else 'Hutchinson'}: verdict [bold]{report.verdict}[/]")
+    for i, p in enumerate(report.paths):
+        mid = len(p.radius) // 2
+        out.print(f"  {p.kind:5s} {i}: r {p.radius[mid]:.3g}→{p.radius[-1]:.3g}  V {p.value[mid]:.4g}→{p.value[-1]:.4g}  "
+                  f"Q {p.villani[mid]:.4g}→{p.villani[-1]:.4g}  confining={p.confining} Q-grows={p.q_grows} → {p.verdict}")
+    if report.orbit_integral:
+        integral = report.orbit_integral
+        out.print(f"  ∫exp(−2V/s) along the orbit: I(T)={', '.join(f'{x:.3g}' for x in integral['I'])} "
+                  f"for T={', '.join(f'{t:.2g}' for t in integral['T'])} → {integral['verdict']}")
+    if args.figure:
+        out.print(f"  figure: {args.figure}")
+    return 0
+
+
+def run_darcy(args: argparse.Namespace) -> int:
+    from rich.progress import Progress
+
+    from flowgeom.experiments.darcy import FULL, QUICK, DarcyConfig, run
+
+    _threads(args.threads)
+    device = str(resolve_device(args.device))
+    cfg = FULL if args.full else QUICK
+    overrides = {k: getattr(args, k) for k in ("data", "steps", "pretrain_steps", "lr", "temperature", "lam", "eps", "seed")
+                 if getattr(args, k) is not None}
+    if args.regs:
+        overrides["regs"] = tuple(args.regs.split(","))
+    cfg = DarcyConfig.from_dict({**asdict(replace(cfg)), **overrides})
+    with Progress(disable=args.json or not sys.stderr.isatty(), console=None, transient=True) as bar:
+        summary = run(cfg, args.out, resume=args.resume, device=device, progress=bar)
+    diverged = [reg for reg, arm in summary["arms"].items() if arm.get("status") != "ok"]
+    for reg in diverged:
+        print(f"flowgeom: warning: arm {reg!r} diverged: {summary['arms'][reg].get('message')}", file=sys.stderr)
+    if args.json:
+        print_json(summary)
+        return 1 if diverged else 0
+    out = console()
+    pre = summary["pretrain"]
+    out.print(f"pretrained: test RMSE {pre['test_rmse']:.4f}, rel L2 {pre['test_rel_l2']:.4f}, gap {pre['gap']:+.4f}")
+    out.print(f"{'reg':10s} {'test RMSE':>10s} {'rel L2':>8s} {'gap':>8s} {'gap sd':>8s} {'|W_Q| start→end':>18s} {'|W_K| start→end':>18s}")
+    for reg, arm in summary["arms"].items():
+        if "test_rmse" not in arm:
+            out.print(f"{reg:10s} {arm.get('status')}")
+            continue
+        out.print(f"{reg:10s} {arm['test_rmse']:10.4f} {arm['test_rel_l2']:8.4f} {arm['gap']:+8.4f} {arm['gap_std_2nd_half']:8.4f} "
+                  f"{arm['wq_norm_start']:8.3f}→{arm['wq_norm']:<8.3f} {arm['wk_norm_start']:8.3f}→{arm['wk_norm']:<8.3f}")
+    rate = summary.get("rate", {})
+    if rate.get("steps"):
+        out.print("steps to train MSE ≤ L*+ε, ε = " + ", ".join(f"{e:.3g}" for e in rate["eps"]))
+        for reg, hits in rate["steps"].items():
+            out.print(f"  {reg:10s} " + " ".join("—" if h is None else str(h) for h in hits))
+    out.print(f"run folder: {args.out} (figures/ holds darcy_norms.png, darcy_errors.png, darcy_rate.png)")
+    return 1 if diverged else 0
 
 
 def register(sub) -> None:
-    area(sub, "langevin", "langevin commands (not implemented yet)")
+    verbs = area(sub, "langevin", "convergent Langevin training: Villani probe, Darcy-flow experiment")
+
+    p = command(verbs, "villani", help="probe the Villani condition of a loss along rays and symmetry orbits",
+                example="flowgeom langevin villani --loss attention --reg log --lam 0.01 --figure villani.png\n"
+                        "flowgeom langevin villani --loss norm1 --json",
+                func=run_villani)
+    p.add_argument("--loss", default="attention", choices=["attention", "lora", "norm2", "norm1"], help="the potential V")
+    p.add_argument("--reg", default="none", choices=["none", "log", "power", "frobenius"], help="regulariser added to V")
+    p.add_argument("--lam", type=float, default=0.01, help="regulariser λ > 0 (default 0.01)")
+    p.add_argument("--eps", type=float, default=0.5, help="power regulariser ε > 0 (default 0.5)")
+    p.add_argument("--temperature", type=float, default=1.0, help="temperature s > 0 (default 1)")
+    p.add_argument("--rays", type=int, default=3, help="random rays (default 3)")
+    p.add_argument("--r-max", type=float, default=1e3, help="largest radius probed (default 1e3)")
+    p.add_argument("--points", type=int, default=12, help="points per path (default 12)")
+    p.add_argument("--exact-max-dim", type=int, default=200, help="exact Hessian trace up to this D, else Hutchinson")
+    p.add_argument("--probes", type=int, default=64, help="Hutchinson probe vectors (default 64)")
+    p.add_argument("--figure", help="save the V and Q plots to this PNG")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    add_seed(p)
+    add_json(p)
+
+    p = command(verbs, "darcy", help="Darcy-flow attention experiment: pretrain, then Langevin on W_Q, W_K (none/log/power)",
+                example="flowgeom langevin darcy --quick --out runs/darcy\n"
+                        "flowgeom langevin darcy --quick --out runs/darcy --resume --json",
+                func=run_darcy)
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="quick config (default; about a minute on one core)")
+    size.add_argument("--full", action="store_true", help="bigger model, longer chains")
+    p.add_argument("--out", required=True, help="run folder")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    p.add_argument("--data", choices=["shipped", "generated"], help="shipped 16x16 set (default) or our FD generator")
+    p.add_argument("--steps", type=int, help="Langevin steps per arm")
+    p.add_argument("--pretrain-steps", type=int, help="Adam pretraining steps")
+    p.add_argument("--lr", type=float, help="Langevin step size")
+    p.add_argument("--temperature", type=float, help="Langevin temperature s >= 0")
+    p.add_argument("--lam", type=float, help="regulariser λ > 0")
+    p.add_argument("--eps", type=float, help="power regulariser ε > 0")
+    p.add_argument("--regs", help="comma-separated arms among none,log,power,frobenius (default none,log,power)")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: fastest for this small model)")
+    p.add_argument("--seed", type=int, default=None, help="random seed (default 0)")
+    add_device(p)
+    add_json(p)

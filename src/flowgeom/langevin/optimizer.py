@@ -169,7 +169,7 @@ class Langevin(torch.optim.Optimizer):
 
 def check_loss(loss: torch.Tensor | float, step: int) -> None:
     """Raise :class:`FlowgeomError` when a training loss is NaN or infinite."""
-    value = float(loss)
+    value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
     if not math.isfinite(value):
         raise FlowgeomError(
             f"loss became {value} at step {step}: the chain blew up; lower lr or temperature, "

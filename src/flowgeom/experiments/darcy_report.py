@@ -1,0 +1,134 @@
+"""Summary, convergence-rate table and figures of a Darcy run (reads only its metrics)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from flowgeom.runs import RunFolder
+
+KEYS = ("train_rmse", "test_rmse", "test_rel_l2", "train_rel_l2", "gap", "wq_norm", "wk_norm")
+
+
+def _series(metrics: list[dict[str, Any]], reg: str, key: str) -> tuple[list[int], list[float]]:
+    rows = [m for m in metrics if m.get("reg") == reg and key in m]
+    return [m["step"] for m in rows], [m[key] for m in rows]
+
+
+def _mean_std(xs: list[float]) -> tuple[float, float]:
+    if not xs:
+        return math.nan, math.nan
+    mean = sum(xs) / len(xs)
+    return mean, math.sqrt(sum((x - mean) ** 2 for x in xs) / max(1, len(xs) - 1))
+
+
+def summarise(cfg, metrics: list[dict[str, Any]], results: dict[str, Any]) -> dict[str, Any]:
+    """Final numbers per arm, plus norm growth and the gap's mean/std over the second half of phase 2."""
+    pre = [m for m in metrics if m.get("phase") == "pretrain"]
+    summary: dict[str, Any] = {"pretrain": {k: pre[-1][k] for k in (*KEYS, "train_mse_norm")} if pre else {}}
+    arms = {}
+    for reg in cfg.regs:
+        rows = [m for m in metrics if m.get("reg") == reg and "test_rmse" in m]
+        arm: dict[str, Any] = dict(results.get(reg, {"status": "missing"}))
+        if rows:
+            last = rows[-1]
+            arm.update({k: last[k] for k in KEYS})
+            half = [m["gap"] for m in rows[len(rows) // 2 :]]
+            arm["gap_mean_2nd_half"], arm["gap_std_2nd_half"] = _mean_std(half)
+            arm["gap_drift"] = rows[-1]["gap"] - rows[len(rows) // 2]["gap"]
+            for key in ("wq_norm", "wk_norm"):
+                arm[f"{key}_start"] = rows[0][key]
+                arm[f"{key}_max"] = max(m[key] for m in rows)
+        arms[reg] = arm
+    summary["arms"] = arms
+    return summary
+
+
+def convergence_rate(cfg, metrics: list[dict[str, Any]], l_star: float, *, n_eps: int = 8) -> dict[str, Any]:
+    """Steps for the train MSE (normalised) to first reach ``L* + ε``, on a geometric ε grid.
+
+    ``L*`` is the pretrained model's train MSE. The grid runs from half the
+    largest initial suboptimality down to the best suboptimality any arm
+    reached (floored at 1e-3 of the top). ``slope`` is the least-squares
+    slope of steps against ``log(1/ε)`` over the ε an arm reached (linear in
+    ``log(1/ε)`` = the ``O(log 1/ε)`` law).
+    """
+    subopt = {reg: _series(metrics, reg, "train_mse_norm") for reg in cfg.regs}
+    subopt = {reg: (s, [v - l_star for v in vals]) for reg, (s, vals) in subopt.items() if vals}
+    if not subopt:
+        return {}
+    top = 0.5 * max(vals[0] for _, vals in subopt.values())
+    best = min(min(vals) for _, vals in subopt.values())
+    low = max(best, 1e-3 * top) if top > 0 else 0
+    if top <= 0 or low >= top:
+        return {"l_star": l_star, "eps": [], "steps": {}, "slope": {}, "note": "the arms started at or below L*"}
+    eps = [top * (low / top) ** (i / (n_eps - 1)) for i in range(n_eps)]
+    table, slopes = {}, {}
+    for reg, (steps, vals) in subopt.items():
+        hits = [next((s for s, v in zip(steps, vals) if v <= e), None) for e in eps]
+        table[reg] = hits
+        pts = [(math.log(1 / e), h) for e, h in zip(eps, hits) if h is not None]
+        if len(pts) >= 2:
+            mx = sum(p[0] for p in pts) / len(pts)
+            my = sum(p[1] for p in pts) / len(pts)
+            var = sum((p[0] - mx) ** 2 for p in pts)
+            slopes[reg] = sum((p[0] - mx) * (p[1] - my) for p in pts) / var if var else math.nan
+        else:
+            slopes[reg] = None
+    return {"l_star": l_star, "eps": eps, "log_inv_eps": [math.log(1 / e) for e in eps], "steps": table, "slope": slopes}
+
+
+def figures(folder: RunFolder, summary: dict[str, Any]) -> list[str]:
+    """``figures/darcy_norms.png``, ``darcy_errors.png``, ``darcy_rate.png``; returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metrics = folder.metrics()
+    folder.figures.mkdir(parents=True, exist_ok=True)
+    regs = list(summary["arms"])
+    paths = []
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for reg in regs:
+        for ax, key, name in ((axes[0], "wq_norm", "‖W_Q‖_F"), (axes[1], "wk_norm", "‖W_K‖_F")):
+            ax.plot(*_series(metrics, reg, key), label=reg)
+            ax.set_xlabel("Langevin step")
+            ax.set_ylabel(name)
+    axes[0].legend()
+    fig.suptitle("Darcy: attention weight norms during Langevin training")
+    paths.append(_save(fig, folder.figures / "darcy_norms.png"))
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for reg in regs:
+        axes[0].plot(*_series(metrics, reg, "test_rmse"), label=reg)
+        axes[1].plot(*_series(metrics, reg, "gap"), label=reg)
+    axes[0].set_ylabel("test RMSE")
+    axes[1].set_ylabel("gap = test RMSE − train RMSE")
+    for ax in axes:
+        ax.set_xlabel("Langevin step")
+        ax.legend()
+    paths.append(_save(fig, folder.figures / "darcy_errors.png"))
+
+    rate = summary.get("rate") or {}
+    if rate.get("eps"):
+        fig, ax = plt.subplots(figsize=(5, 4))
+        for reg, hits in rate["steps"].items():
+            pts = [(x, h) for x, h in zip(rate["log_inv_eps"], hits) if h is not None]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=reg)
+        ax.set_xlabel("log(1/ε)")
+        ax.set_ylabel("steps to train MSE ≤ L* + ε")
+        ax.legend()
+        paths.append(_save(fig, folder.figures / "darcy_rate.png"))
+    return paths
+
+
+def _save(fig, path) -> str:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return str(path)
