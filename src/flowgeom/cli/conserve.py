@@ -128,6 +128,8 @@ def scaling_cmd(args: argparse.Namespace) -> int:
         changes["steps"] = args.steps
     if args.text:
         changes["data"] = args.text
+    if args.decay_steps:
+        changes["decay_steps"] = args.decay_steps
     cfg = dataclasses.replace(cfg, **changes)
     with _progress(not args.json) as say:
         result = run_scaling(cfg, args.out, resume=args.resume, progress=say)
@@ -208,3 +210,5 @@ def register(sub) -> None:
                 func=scaling_cmd)
     _common(p, "runs/scaling")
     p.add_argument("--tau", type=float, action="append", help="step size τ (repeatable; ≥ 3 values)")
+    p.add_argument("--decay-steps", type=int, default=None,
+                   help="length of the constant vs τ0/(k+1) schedule runs (default: preset)")

@@ -391,7 +391,8 @@ def plot_grid(rows: Sequence[Mapping[str, Any]], path: str | Path, *, title: str
     for ax in list(axes.flat)[len(archs):]:
         ax.axis("off")
     axes.flat[0].set_ylabel("ε(k)")
-    axes.flat[0].legend(fontsize=6)
+    if axes.flat[0].get_legend_handles_labels()[0]:
+        axes.flat[0].legend(fontsize=6)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     path = Path(path)

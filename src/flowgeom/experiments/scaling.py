@@ -227,7 +227,10 @@ def plot_scaling(result: Mapping[str, Any], cfg: ScalingConfig, path: Path) -> P
         fit = row["tau_fit"]
         ax.loglog(taus, ys, "o-", label=f"{arch} {row['key']}" + (f": {fit['slope']:.2f}" if fit else " (round-off)"))
     ax.set(xlabel="step size τ", ylabel=f"ε at k={cfg.steps}", title="router sum Σ_e W_e: sigmoid vs softmax")
-    ax.legend(fontsize=7)
+    if result["router"]:
+        ax.legend(fontsize=7)
+    else:
+        ax.text(0.5, 0.5, "no MoE architecture in this run", ha="center", transform=ax.transAxes)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
