@@ -70,7 +70,7 @@ def loglog_fit(x: Sequence[float], y: Sequence[float], *, confidence: float = 0.
 @dataclass(frozen=True)
 class ScalingConfig:
     archs: tuple[str, ...] = ("mha-rope-swiglu", "moe-dense-softmax", "moe-dense-sigmoid")
-    taus: tuple[float, ...] = (0.08, 0.04, 0.02, 0.01, 0.005)  # step sizes τ
+    taus: tuple[float, ...] = (0.04, 0.02, 0.01, 0.005, 0.0025)  # step sizes τ
     steps: int = 40              # k at which the τ-slope is fitted
     k_tau: float | None = None   # τ of the k-slope (default: the middle τ)
     decay_steps: int = 160       # length of the constant-vs-inverse schedule runs (τ_0 = max τ)
@@ -231,6 +231,10 @@ def plot_scaling(result: Mapping[str, Any], cfg: ScalingConfig, path: Path) -> P
         ax.legend(fontsize=7)
     else:
         ax.text(0.5, 0.5, "no MoE architecture in this run", ha="center", transform=ax.transAxes)
+    from matplotlib.ticker import NullFormatter
+
+    for ax in axes.flat:
+        ax.xaxis.set_minor_formatter(NullFormatter())  # minor log ticks overlap on short τ ranges
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
