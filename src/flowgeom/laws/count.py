@@ -214,7 +214,7 @@ class FieldSource:
         self.vectorised, self.draws = True, 0
 
     def block(self, depth: int, n: int) -> torch.Tensor:
-        p = self.per_field
+        p = self.per_field if depth == 0 else max(1, self.per_field // 8)  # brackets mix generators already
         xs = draw_inputs(self.sampler, n, depth + 1, p, self.generator, dtype=self.dtype, device=self.device)
         cs = torch.randn(n, depth + 1, p, *self.out_shape, generator=self.generator, dtype=torch.float64)
         cs = cs.to(device=self.device, dtype=self.dtype)
@@ -248,6 +248,24 @@ def _grow_level(span: SpanTracker, source: FieldSource, depth: int, *, block: in
         if saturated and added == 0:
             return
         saturated = n - added >= patience
+
+
+def lie_span(span: SpanTracker, source: FieldSource, generator: torch.Generator, *, max_depth: int, patience: int,
+             block: int) -> list[int]:
+    """Grow ``span`` to Lie(W)(θ): depth 0 in basis form, then brackets in complement form; ranks by depth."""
+    d = span.dim
+    _grow_level(span, source, 0, block=block, patience=patience, max_blocks=math.ceil(d / block) + 8)
+    ranks = [span.rank]
+    span.to_complement(generator)
+    for depth in range(1, max_depth + 1):
+        if span.rank == d:
+            break
+        before = span.rank
+        _grow_level(span, source, depth, block=min(block, 256), patience=patience, max_blocks=math.ceil(d / 256) + 8)
+        ranks.append(span.rank)
+        if span.rank == before:
+            break
+    return ranks
 
 
 def count(
@@ -297,17 +315,7 @@ def count(
     out_shape = probe_output(model, theta, sampler, gen, dtype=dtype, device=device)
     source = FieldSource(model, theta, sampler, out_shape, gen, per_field=per_field, dtype=dtype, device=device)
     span = SpanTracker(d, tol=tol if tol is not None else DEFAULT_TOL.get(dtype, 1e-6), dtype=dtype, device=device)
-    _grow_level(span, source, 0, block=block, patience=patience, max_blocks=math.ceil(d / block) + 8)
-    ranks = [span.rank]
-    span.to_complement(gen)
-    for depth in range(1, max_depth + 1):
-        if span.rank == d:
-            break
-        before = span.rank
-        _grow_level(span, source, depth, block=min(block, 256), patience=patience, max_blocks=math.ceil(d / 256) + 8)
-        ranks.append(span.rank)
-        if span.rank == before:
-            break
+    ranks = lie_span(span, source, gen, max_depth=max_depth, patience=patience, block=block)
     notes = []
     if ranks and len(ranks) == max_depth + 1 and ranks[-1] != ranks[-2] and span.rank < d:
         notes.append(f"depth {max_depth} still added directions; raise max_depth for a sure count")

@@ -1,0 +1,114 @@
+"""``flowgeom laws count|discover TARGET``: the numeric law engine on the command line.
+
+TARGET is a zoo name with size options (``--d-model`` …), ``path/to/file.py:NAME``
+or ``package.module:NAME``. :func:`register_verbs` adds the two verbs to the
+``flowgeom laws`` area (wired by :mod:`flowgeom.cli.laws`).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from rich.markup import escape
+
+from flowgeom.cli._common import add_device, add_json, add_seed, command, console, print_json, resolve_device
+from flowgeom.cli.zoo_options import add_size_options, size_options
+
+DTYPES = ("float64", "float32")
+_TARGET_HELP = "zoo name (ffn, swiglu, mha, moe, linear2, relu2, chain) with size options, path/to/file.py:NAME or package.module:NAME"
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("target", metavar="TARGET", help=_TARGET_HELP)
+    p.add_argument("--input-shape", default=None, help="shape of one input, e.g. 4,8 (for modules without sample_input)")
+    p.add_argument("--dtype", default="float64", choices=DTYPES, help="arithmetic (default float64)")
+    p.add_argument("--max-depth", type=int, default=6, help="deepest Lie bracket level (default 6)")
+    add_size_options(p)
+    add_json(p)
+    add_seed(p)
+    add_device(p)
+
+
+def _resolve(args: argparse.Namespace):
+    import torch
+
+    from flowgeom.laws.target import resolve
+
+    device = resolve_device(args.device)
+    target = resolve(args.target, size_options=size_options(args), input_shape=args.input_shape, seed=args.seed)
+    return target, device, getattr(torch, args.dtype)
+
+
+def _fmt(values: list[float]) -> str:
+    return ", ".join(f"{v:.1e}" for v in values) or "-"
+
+
+def _count(args: argparse.Namespace) -> int:
+    from flowgeom.laws.count import count
+
+    target, device, dtype = _resolve(args)
+    res = count(target.module, target.sampler, seed=args.seed, dtype=dtype, device=device, max_depth=args.max_depth,
+                tol=args.tol)
+    payload = {"target": target.label} | res.to_dict()
+    if args.json:
+        print_json(payload)
+        return 0
+    out = console()
+    out.print(f"[bold]{escape(target.label)}[/bold]: D = {res.parameters} parameters ({res.dtype}, {res.device}, seed {res.seed})")
+    out.print("rank of Lie(W)(θ) by bracket depth: " + " → ".join(str(r) for r in res.ranks_by_depth))
+    line = f"[bold]{res.laws}[/bold] independent conservation laws (D − rank = {res.parameters} − {res.rank})"
+    if res.expected is not None:
+        match = "[green]matches[/green]" if res.expected == res.laws else "[red]differs from[/red]"
+        line += f"; {match} the catalogue's {res.expected}"
+    out.print(line)
+    gap = res.gap
+    ratio = f"{gap['ratio']:.1e}" if gap["ratio"] else "-"
+    out.print(f"gap: smallest kept σ {_fmt(gap['smallest_kept'])} | tolerance {gap['tolerance']:.0e} | "
+              f"largest dropped σ {_fmt(gap['largest_dropped'])} (ratio {ratio})")
+    if gap["smallest_kept"] and gap["smallest_kept"][0] < 1e-4:
+        out.print(f"[yellow]near-law:[/yellow] a direction kept with σ = {gap['smallest_kept'][0]:.1e} is broken only weakly "
+                  "(e.g. by a normalisation eps); it is counted as not conserved")
+    for note in res.notes:
+        out.print(f"note: {escape(note)}")
+    out.print(f"{res.draws} random fields and brackets, {res.seconds:.2f} s")
+    return 0
+
+
+def _discover(args: argparse.Namespace) -> int:
+    from flowgeom.laws.discover import discover
+
+    target, device, dtype = _resolve(args)
+    res = discover(target.module, target.sampler, degree=args.degree, seed=args.seed, dtype=dtype, device=device,
+                   max_depth=args.max_depth, max_parameters=args.max_parameters)
+    if args.json:
+        print_json({"target": target.label} | res.to_dict())
+        return 0
+    out = console()
+    out.print(f"[bold]{escape(target.label)}[/bold]: D = {res.parameters}; {len(res.laws)} polynomial laws of degree ≤ {args.degree}"
+              + (f" (catalogue: {res.expected})" if res.expected is not None else ""))
+    for i, law in enumerate(res.laws):
+        out.print(f"  {i + 1:>3}. {escape(law.formula)}")
+    if not res.laws:
+        out.print("  (none: only constant functions of degree ≤ 2 are conserved)")
+    out.print(f"independent check: max relative |⟨∇h, X⟩| = {res.max_violation:.1e}; {res.points} points, {res.seconds:.2f} s")
+    for note in res.notes:
+        out.print(f"note: {escape(note)}")
+    return 0
+
+
+def register_verbs(verbs) -> None:
+    """Add ``count`` and ``discover`` to the ``flowgeom laws`` verb sub-parsers."""
+    p = command(verbs, "count", help="count the conservation laws of any module numerically (D − dim Lie(W))",
+                example="flowgeom laws count relu2 --d-in 12 --width 18 --d-out 9\n"
+                        "flowgeom laws count mha --heads 2 --d-k 4 --positions rope --json\n"
+                        "flowgeom laws count my_block.py:Block --input-shape 4,8",
+                func=_count)
+    _common(p)
+    p.add_argument("--tol", type=float, default=None, help="relative singular-value tolerance (default 1e-9 in float64)")
+    p = command(verbs, "discover", help="find a readable basis of the quadratic conservation laws of a module",
+                example="flowgeom laws discover swiglu --d-model 3 --d-hidden 2\n"
+                        "flowgeom laws discover moe --d-model 3 --d-hidden 2 --experts 2 --json",
+                func=_discover)
+    _common(p)
+    p.add_argument("--degree", type=int, default=2, choices=(1, 2), help="largest polynomial degree (default 2)")
+    p.add_argument("--max-parameters", type=int, default=300, help="refuse larger D (default 300)")

@@ -1,0 +1,320 @@
+"""Discover the quadratic conservation laws of a module numerically.
+
+A polynomial h(θ) = θᵀAθ + bᵀθ (A symmetric) is conserved by gradient flow
+for every data set iff its gradient g(θ) = 2Aθ + b is orthogonal to every
+field X_{x,c}(θ) at every θ — equivalently (Noether) iff f(x; ·) is invariant
+under the linear flow θ̇ = Aθ (+ b). Each (θ, field) pair is one linear
+constraint on (A, b); the solution space is the answer.
+
+Solving it directly has D(D+1)/2 + D unknowns (20,300 at D = 200). The
+engine shrinks it with the counting machinery: at each point θ_i the law
+gradients lie in the complement N_i = Lie(W)(θ_i)^⊥ (D × k, k = number of
+laws, see :mod:`flowgeom.laws.count`), so g(θ_i) = N_i z_i. With D + 1
+generic points θ̃_i = (θ_i, 1) the affine map g is fixed by its values:
+[2A | b] = [g_0 … g_D] Θ̃⁻¹, and the only remaining condition is that 2A be
+symmetric (g is a gradient). With T = Θ̃⁻¹[:, :D] the antisymmetric residual
+gives the quadratic form
+
+    ½‖S − Sᵀ‖²_F = zᵀ(G1 − G2)z,  S = [g_i] T,
+    G1[(i,a),(j,b)] = (N_iᵀN_j)_{ab} (TTᵀ)_{ij},   G2 = C ⊙ Cᵀ,  C[(i,a),(j,b)] = (T N_i)_{ja},
+
+whose null space (unknowns (D+1)·k) gives the candidates. A few extra points
+confirm them (spurious solutions are projected out), and a reduced row
+echelon form makes the basis sparse before it is printed in parameter names.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from flowgeom.errors import FlowgeomError
+from flowgeom.laws.count import FieldSource, SpanTracker, _expected, lie_span, prepare, probe_output, random_point, DEFAULT_TOL
+from flowgeom.laws.fields import FieldModel, ParamLayout, Sampler
+
+
+@dataclass
+class DiscoveredLaw:
+    """h(θ) = θᵀ Q θ + bᵀ θ over the flat parameter vector (layout of ``named_parameters``)."""
+
+    formula: str
+    quadratic: torch.Tensor  # (D, D) symmetric
+    linear: torch.Tensor  # (D,)
+
+    def evaluate(self, theta: torch.Tensor) -> torch.Tensor:
+        return theta @ self.quadratic @ theta + self.linear @ theta
+
+
+@dataclass
+class DiscoverResult:
+    parameters: int
+    laws: list[DiscoveredLaw]
+    expected: int | None
+    max_violation: float
+    seconds: float
+    seed: int
+    points: int
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"parameters": self.parameters, "count": len(self.laws), "laws": [law.formula for law in self.laws],
+                "expected": self.expected, "max_violation": self.max_violation, "seconds": self.seconds,
+                "seed": self.seed, "points": self.points, "notes": self.notes}
+
+
+def _complement(model, theta, sampler, out_shape, gen, *, dtype, device, tol, max_depth=0) -> torch.Tensor:
+    """Orthonormal basis (D, k) of W(θ)^⊥ (``max_depth`` 0) or Lie(W)(θ)^⊥; law gradients lie in both."""
+    source = FieldSource(model, theta, sampler, out_shape, gen, per_field=16, dtype=dtype, device=device)
+    span = SpanTracker(theta.numel(), tol=tol, dtype=dtype, device=device)
+    lie_span(span, source, gen, max_depth=max_depth, patience=8, block=512)
+    return span.complement  # (D, k)
+
+
+def _candidates(ns: list[torch.Tensor], thetas: torch.Tensor, *, rel_tol: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A, b) pairs, (m, D, D) and (m, D), whose gradient field is symmetric and lies in every N_i.
+
+    ``ns``: D + 1 complements (D, k_i); ``thetas`` (D + 1, D).
+    """
+    d = thetas.shape[1]
+    ncat = torch.cat(ns, dim=1)  # (D, n)
+    pi = torch.cat([torch.full((n.shape[1],), i, dtype=torch.long) for i, n in enumerate(ns)])  # (n,)
+    if ncat.shape[1] == 0:
+        return thetas.new_zeros(0, d, d), thetas.new_zeros(0, d)
+    tilde = torch.cat([thetas.T, torch.ones(1, d + 1, dtype=thetas.dtype)], dim=0)  # (D+1, D+1) columns (θ_i, 1)
+    t = torch.linalg.inv(tilde)  # (D+1, D+1): [2A | b] = G t
+    ta = t[:, :d]  # (D+1, D)
+    g1 = (ncat.T @ ncat) * (ta @ ta.T)[pi][:, pi]  # (n, n)
+    cx = (ta @ ncat)[pi, :].T  # (n, n): cx[(i,a),(j,b)] = (T N_i)[j, a]
+    gram = g1 - cx * cx.T
+    gram = 0.5 * (gram + gram.T)
+    evals, evecs = torch.linalg.eigh(gram)
+    scale = max(float(evals.abs().max()), 1e-300)
+    z = evecs[:, evals <= rel_tol * scale]  # (n, m)
+    g = torch.zeros(z.shape[1], d, d + 1, dtype=thetas.dtype)  # (m, D, D+1) values g_i per candidate
+    g.index_add_(2, pi, ncat.unsqueeze(0) * z.T.unsqueeze(1))
+    u = g @ t  # (m, D, D+1) = [2A | b]
+    a = 0.25 * (u[:, :, :d] + u[:, :, :d].transpose(1, 2))
+    return a, u[:, :, d]
+
+
+def _confirm(a, b, checks: list[tuple[torch.Tensor, torch.Tensor]], *, tol: float):
+    """Keep the combinations of candidates whose gradient lies in N_j at the extra points."""
+    if a.shape[0] == 0:
+        return a, b
+    rows = []
+    for theta, n in checks:
+        g = 2 * a @ theta + b  # (m, D)
+        g = g / g.norm(dim=1, keepdim=True).clamp_min(1e-300)
+        rows.append(g - (g @ n) @ n.T)  # (m, D) residual outside the complement
+    r = torch.cat(rows, dim=1)  # (m, extra*D)
+    _, s, vh = torch.linalg.svd(r.T, full_matrices=True)
+    s = torch.cat([s, s.new_zeros(vh.shape[0] - s.numel())])
+    keep = vh[s <= tol]  # (m', m) combinations with no residual
+    return torch.einsum("km,mij->kij", keep, a), keep @ b
+
+
+def _modulo_products(coef: torch.Tensor, iu: torch.Tensor, tol: float = 1e-8) -> tuple[torch.Tensor, int]:
+    """Drop products of linear laws from the law space (rows ``coef`` = [monomial coefs | linear coefs]).
+
+    If bᵢᵀθ and bⱼᵀθ are laws, so is their product; it says nothing new. The
+    quotient keeps the law space's part orthogonal to those products.
+    """
+    n_mono = iu.shape[1]
+    if coef.shape[0] == 0:
+        return coef, 0
+    u, s, _ = torch.linalg.svd(coef[:, :n_mono], full_matrices=True)
+    s = torch.cat([s, s.new_zeros(u.shape[1] - s.numel())])
+    lin = u[:, s <= tol * max(1.0, float(s.max()) if s.numel() else 1.0)].T @ coef[:, n_mono:]  # (l1, D)
+    if lin.shape[0] == 0:
+        return coef, 0
+    lin = torch.linalg.qr(lin.T)[0].T  # orthonormal linear laws
+    i, j = torch.triu_indices(lin.shape[0], lin.shape[0])
+    quad = 0.5 * (lin[i, :, None] * lin[j, None, :] + lin[j, :, None] * lin[i, None, :])  # (p, D, D)
+    prods = quad[:, iu[0], iu[1]] * torch.where(iu[0] == iu[1], 1.0, 2.0).to(coef)  # (p, n_mono)
+    prods = torch.cat([prods, prods.new_zeros(prods.shape[0], coef.shape[1] - n_mono)], dim=1)
+    q = torch.linalg.qr(prods.T)[0].T  # (p, n) orthonormal
+    rest = coef - (coef @ q.T) @ q
+    _, s2, vh = torch.linalg.svd(rest, full_matrices=False)
+    return vh[s2 > tol * float(s2.max())], prods.shape[0]
+
+
+def _rref(coef: torch.Tensor, tol: float = 1e-8) -> torch.Tensor:
+    """Reduced row echelon form of the rows of ``coef`` (m, n), pivots scaled to 1."""
+    m = coef.clone()
+    row = 0
+    for col in range(m.shape[1]):
+        if row == m.shape[0]:
+            break
+        piv = row + int(m[row:, col].abs().argmax())
+        if m[piv, col].abs() <= tol * m.abs().max():
+            continue
+        m[[row, piv]] = m[[piv, row]]
+        m[row] /= m[row, col].clone()
+        others = torch.arange(m.shape[0]) != row
+        m[others] -= m[others, col : col + 1] * m[row]
+        row += 1
+    return m[:row]
+
+
+def _num(c: float, first: bool) -> str:
+    sign = "−" if c < 0 else ("" if first else "+")
+    mag = abs(c)
+    body = "" if abs(mag - 1) < 1e-6 else (f"{round(mag)}·" if abs(mag - round(mag)) < 1e-6 else f"{mag:.4g}·")
+    return (sign + (" " if sign and not first else "") + body) if not first else (sign + body)
+
+
+def _index(shape, i, axis) -> str:
+    if len(shape) == 1:
+        return f"[{i}]"
+    return f"[{i},:]" if axis == "row" else f"[:,{i}]"
+
+
+def format_law(q: torch.Tensor, b: torch.Tensor, layout: ParamLayout, tol: float = 1e-8) -> str:
+    """h = θᵀQθ + bᵀθ written with parameter names: norms, Gram entries, sums, else coefficients."""
+    terms: list[tuple[float, str]] = []
+    offs, names, shapes = layout.offsets(), layout.names, layout.shapes
+    mats = [(s[0], s[1]) if len(s) == 2 else (s[0] if s else 1, int(torch.tensor(s[1:]).prod()) if len(s) > 1 else 1)
+            for s in shapes]
+    for p in range(len(names)):
+        for r in range(p, len(names)):
+            blk = q[offs[p] : offs[p] + layout.numels[p], offs[r] : offs[r] + layout.numels[r]]
+            blk = blk if p == r else 2 * blk
+            if blk.abs().max() <= tol:
+                continue
+            (rp, cp), (rr, cr) = mats[p], mats[r]
+            b4 = blk.reshape(rp, cp, rr, cr)
+            options = []
+            if cp == cr:  # row Gram: blk[i,k,j,l] = M[i,j] δ_kl
+                mm = b4[:, 0, :, 0]
+                if (b4 - mm[:, None, :, None] * torch.eye(cp, dtype=q.dtype)[None, :, None, :]).abs().max() <= tol:
+                    options.append(_gram_terms(mm, names[p], names[r], shapes[p], p == r, "row", tol))
+            if rp == rr:  # column Gram: blk[i,k,j,l] = δ_ij M[k,l]
+                mm = b4[0, :, 0, :]
+                if (b4 - torch.eye(rp, dtype=q.dtype)[:, None, :, None] * mm[None, :, None, :]).abs().max() <= tol:
+                    options.append(_gram_terms(mm, names[p], names[r], shapes[p], p == r, "col", tol))
+            done = bool(options)
+            if options:
+                terms += min(options, key=len)
+            if not done:
+                terms += _monomials(blk, p, r, layout, tol)
+    for p, name in enumerate(names):
+        v = b[offs[p] : offs[p] + layout.numels[p]].reshape(mats[p])
+        if v.abs().max() <= tol:
+            continue
+        cols = v.abs().amax(0) > tol
+        if v.shape[0] > 1 and ((v - v[:1]).abs().max() <= tol):  # constant down each column: column sums
+            terms += [(float(v[0, k]), f"Σ {name}[:,{k}]" if len(shapes[p]) > 1 else f"Σ {name}") for k in torch.nonzero(cols).flatten().tolist()]
+        else:
+            terms += [(float(v.flatten()[i]), f"{name}{list(layout.coordinate(offs[p] + i)[1])}")
+                      for i in torch.nonzero(v.flatten().abs() > tol).flatten().tolist()]
+    if not terms:
+        return "0"
+    scale = max(abs(c) for c, _ in terms)
+    return " ".join(_num(c / scale, i == 0) + t for i, (c, t) in enumerate(terms))
+
+
+def _gram_terms(mm, pn, rn, shape, same, axis, tol) -> list[tuple[float, str]]:
+    out = []
+    for i in range(mm.shape[0]):
+        for j in range(mm.shape[1]):
+            if same and j < i:
+                continue
+            c = float(mm[i, j]) * (2 if same and i != j else 1)
+            if abs(c) <= tol:
+                continue
+            if same and i == j:
+                base = f"{pn}{_index(shape, i, axis)}"
+                out.append((c, f"{base}²" if len(shape) == 1 else f"‖{base}‖²"))
+            else:
+                out.append((c, f"⟨{pn}{_index(shape, i, axis)}, {rn}{_index(shape, j, axis)}⟩"))
+    return out
+
+
+def _monomials(blk, p, r, layout, tol, limit=12) -> list[tuple[float, str]]:
+    offs = layout.offsets()
+    idx = torch.nonzero(blk.abs() > tol).tolist()
+    out = []
+    for i, j in idx:
+        if p == r and j < i:
+            continue
+        c = float(blk[i, j]) * (2 if p == r and i != j else 1)
+        (n1, k1), (n2, k2) = layout.coordinate(offs[p] + i), layout.coordinate(offs[r] + j)
+        a1, a2 = f"{n1}{list(k1)}", f"{n2}{list(k2)}"
+        out.append((c, f"{a1}²" if (p == r and i == j) else f"{a1}·{a2}"))
+    return out[:limit] + ([(0.0, f"… ({len(out) - limit} more terms)")] if len(out) > limit else [])
+
+
+def _violation(laws, model, sampler, out_shape, gen, *, dtype, device) -> float:
+    """Independent check: max |⟨∇h, X⟩| / (‖∇h‖ ‖X‖) over fresh points and fields."""
+    worst = 0.0
+    for _ in range(2):
+        theta = model.layout.flatten(random_point(model.module, gen)).to(device=device, dtype=dtype)
+        fields = FieldSource(model, theta, sampler, out_shape, gen, per_field=4, dtype=dtype, device=device).block(0, 32)
+        for law in laws:
+            grad = 2 * law.quadratic.to(theta) @ theta + law.linear.to(theta)
+            dots = (fields @ grad).abs() / (fields.norm(dim=1) * grad.norm()).clamp_min(1e-300)
+            worst = max(worst, float(dots.max()))
+    return worst
+
+
+def discover(
+    module: nn.Module,
+    sample_input: Sampler | None = None,
+    *,
+    degree: int = 2,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float64,
+    device: str | torch.device = "cpu",
+    extra_points: int = 4,
+    max_depth: int = 6,
+    max_parameters: int = 300,
+) -> DiscoverResult:
+    """A sparse basis of the polynomial laws θᵀAθ + bᵀθ (``degree`` 2) or bᵀθ (``degree`` 1)."""
+    start = time.perf_counter()
+    if degree not in (1, 2):
+        raise FlowgeomError(f"degree {degree!r} is not supported; choose 1 (linear) or 2 (quadratic) laws")
+    device = torch.device(device)
+    work, sampler = prepare(module, sample_input, dtype=dtype, device=device)
+    model = FieldModel(work)
+    d = model.layout.size
+    if d > max_parameters:
+        raise FlowgeomError(f"discover solves for (D+1)·laws unknowns with D + 1 law counts; D = {d:,} exceeds "
+                            f"--max-parameters {max_parameters}; use a smaller instance or `flowgeom laws count`")
+    gen = torch.Generator().manual_seed(seed)
+    tol = DEFAULT_TOL.get(dtype, 1e-6)
+    theta0 = model.layout.flatten(random_point(work, gen)).to(device=device, dtype=dtype)
+    out_shape = probe_output(model, theta0, sampler, gen, dtype=dtype, device=device)
+    n_points = (d + 1 if degree == 2 else 1) + extra_points
+    thetas, ns = [], []
+    for i in range(n_points):
+        theta = theta0 if i == 0 else model.layout.flatten(random_point(work, gen)).to(device=device, dtype=dtype)
+        thetas.append(theta)
+        depth = max_depth if i == 0 else 0  # W(θ)^⊥ suffices for the constraints and needs no brackets
+        ns.append(_complement(model, theta, sampler, out_shape, gen, dtype=dtype, device=device, tol=tol, max_depth=depth))
+    if degree == 2:
+        a, b = _candidates([n.cpu() for n in ns[: d + 1]], torch.stack(thetas[: d + 1]).cpu(), rel_tol=1e-10)
+    else:  # linear laws: b in the span of N_0, A = 0
+        b = ns[0].T.cpu()
+        a = b.new_zeros(b.shape[0], d, d)
+    checks = [(th.cpu(), n.cpu()) for th, n in zip(thetas[-extra_points:], ns[-extra_points:])]
+    a, b = _confirm(a, b, checks, tol=1e-7)
+    iu = torch.triu_indices(d, d)
+    mono = a[:, iu[0], iu[1]] * torch.where(iu[0] == iu[1], 1.0, 2.0).to(a)  # (m, D(D+1)/2) monomial coefficients
+    coef, n_products = _modulo_products(torch.cat([mono, b], dim=1), iu)
+    basis = _rref(coef)
+    laws = []
+    for row in basis:
+        q = torch.zeros(d, d, dtype=row.dtype)
+        q[iu[0], iu[1]] = row[: iu.shape[1]] / torch.where(iu[0] == iu[1], 1.0, 2.0).to(row)
+        q = q + q.triu(1).T
+        lin = row[iu.shape[1] :]
+        laws.append(DiscoveredLaw(format_law(q, lin, model.layout), q, lin))
+    worst = _violation(laws, model, sampler, out_shape, gen, dtype=dtype, device=device) if laws else 0.0
+    notes = [] if worst < 1e-6 else [f"largest violation {worst:.1e}: some laws may be approximate (near-laws)"]
+    if n_products:
+        notes.append(f"{n_products} products of linear laws (also conserved) are left out of the basis")
+    return DiscoverResult(parameters=d, laws=laws, expected=_expected(module), max_violation=worst,
+                          seconds=time.perf_counter() - start, seed=seed, points=n_points, notes=notes)

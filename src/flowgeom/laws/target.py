@@ -1,0 +1,136 @@
+"""Resolve a TARGET string to a module and an input sampler.
+
+TARGET is one of
+
+- a zoo name (``ffn``, ``swiglu``, ``mha``, ``moe``, ``linear2``, ``relu2``,
+  ``chain``) with size options, built by :func:`flowgeom.nn.build`;
+- ``path/to/file.py:NAME`` or ``package.module:NAME``, NAME being an
+  ``nn.Module`` subclass (built with no arguments) or a zero-argument factory
+  returning a module.
+
+Inputs come from the module's ``sample_input(batch, generator)`` when it has
+one, else from ``input_shape`` (one standard-normal input of exactly that
+shape, e.g. ``(4, 8)``). Every failure is a :class:`FlowgeomError` naming
+the target and the fix.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from flowgeom.errors import FlowgeomError
+from flowgeom.laws.fields import Sampler, module_sampler, shape_sampler
+
+
+@dataclass
+class Target:
+    """A resolved target: the module, its input sampler and a label for reports."""
+
+    module: nn.Module
+    sampler: Sampler
+    label: str
+    arch: str | None = None
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    """``"4,8"`` -> (4, 8); FlowgeomError unless positive integers."""
+    try:
+        shape = tuple(int(s) for s in str(text).replace("x", ",").split(",") if s.strip())
+    except ValueError:
+        raise FlowgeomError(f"--input-shape must be comma-separated positive integers like 4,8, got {text!r}") from None
+    if not shape or min(shape) < 1:
+        raise FlowgeomError(f"--input-shape must be comma-separated positive integers like 4,8, got {text!r}")
+    return shape
+
+
+def _load_module(spec: str) -> Any:
+    """Import ``path/to/file.py`` or ``package.module``; FlowgeomError on failure."""
+    if spec.endswith(".py") or "/" in spec or "\\" in spec:
+        path = Path(spec)
+        if not path.is_file():
+            raise FlowgeomError(f"no such file {spec!r}; give path/to/file.py:NAME")
+        name = f"_flowgeom_target_{abs(hash(str(path.resolve())))}"
+        loader = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(loader)
+        sys.modules[name] = mod
+        try:
+            loader.loader.exec_module(mod)
+        except Exception as exc:
+            sys.modules.pop(name, None)
+            raise FlowgeomError(f"could not import {spec!r}: {type(exc).__name__}: {exc}") from None
+        return mod
+    try:
+        return importlib.import_module(spec)
+    except Exception as exc:
+        raise FlowgeomError(f"could not import module {spec!r}: {type(exc).__name__}: {exc}; "
+                            "check the name or give path/to/file.py:NAME") from None
+
+
+def _candidates(mod: Any) -> list[str]:
+    return sorted(n for n, v in vars(mod).items()
+                  if not n.startswith("_") and (inspect.isclass(v) and issubclass(v, nn.Module) and v.__module__ == mod.__name__
+                                                or inspect.isfunction(v) and v.__module__ == mod.__name__))
+
+
+def _instantiate(obj: Any, where: str) -> nn.Module:
+    if isinstance(obj, nn.Module):
+        return obj
+    if not callable(obj):
+        raise FlowgeomError(f"{where} is a {type(obj).__name__}, not an nn.Module class or factory")
+    try:
+        module = obj()
+    except TypeError as exc:
+        raise FlowgeomError(f"{where} cannot be built without arguments ({exc}); "
+                            "wrap it in a zero-argument factory function") from None
+    except Exception as exc:
+        raise FlowgeomError(f"building {where} failed: {type(exc).__name__}: {exc}") from None
+    if not isinstance(module, nn.Module):
+        raise FlowgeomError(f"{where}() returned a {type(module).__name__}, not an nn.Module")
+    return module
+
+
+def resolve(target: str, *, size_options: dict[str, Any] | None = None, input_shape: str | tuple[int, ...] | None = None,
+            seed: int = 0) -> Target:
+    """Build the module named by ``target`` (weights seeded by ``seed``) and its sampler."""
+    from flowgeom.nn.zoo import ARCHITECTURES, build
+
+    size_options = dict(size_options or {})
+    arch = None
+    if ":" not in target:
+        if target not in ARCHITECTURES:
+            raise FlowgeomError(f"unknown target {target!r}; give a zoo name ({', '.join(ARCHITECTURES)}), "
+                                "path/to/file.py:NAME or package.module:NAME")
+        module, arch = build(target, seed=seed, **size_options), target
+        label = target + "".join(f" --{k.replace('_', '-')} {v}" for k, v in size_options.items())
+    else:
+        if size_options:
+            flags = ", ".join("--" + k.replace("_", "-") for k in size_options)
+            raise FlowgeomError(f"{flags} only apply to zoo architectures, not to {target!r}; drop them")
+        spec, _, name = target.rpartition(":")
+        if not spec or not name:
+            raise FlowgeomError(f"malformed target {target!r}; expected path/to/file.py:NAME or package.module:NAME")
+        mod = _load_module(spec)
+        if not hasattr(mod, name):
+            options = ", ".join(_candidates(mod)) or "(none)"
+            raise FlowgeomError(f"{spec!r} has no attribute {name!r}; candidates: {options}")
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            module = _instantiate(getattr(mod, name), f"{target}")
+        label = target
+    if callable(getattr(module, "sample_input", None)):
+        sampler = module_sampler(module)
+    elif input_shape is not None:
+        shape = parse_shape(input_shape) if isinstance(input_shape, str) else tuple(input_shape)
+        sampler = shape_sampler(shape)
+    else:
+        raise FlowgeomError(f"{label} has no sample_input(batch, generator); pass --input-shape (e.g. --input-shape 4,8)")
+    return Target(module=module, sampler=sampler, label=label, arch=arch)
