@@ -6,6 +6,8 @@ import re
 import pytest
 import torch
 
+from _one_thread import one_thread  # noqa: F401  (autouse fixture)
+
 from flowgeom.cli import main
 from flowgeom.errors import FlowgeomError
 from flowgeom.experiments.conservation import ARCHS, ConservationConfig, run_conservation, run_grid
@@ -13,14 +15,6 @@ from flowgeom.runs import RunFolder
 
 TINY = dict(d_model=8, heads=2, d_k=4, d_hidden=8, n_layers=1, seq_len=8, batch=4, corpus_chars=5000, n_train=64,
             patch=14, experts=2, steps=12, log_every=2, checkpoint_every=4)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.mark.parametrize("arch", ["mha-sinusoidal-swiglu", "moe-top2-sigmoid", "vit"])

@@ -5,7 +5,8 @@ import json
 
 import numpy as np
 import pytest
-import torch
+
+from _one_thread import one_thread  # noqa: F401  (autouse fixture)
 
 from flowgeom.cli import main
 from flowgeom.errors import FlowgeomError
@@ -13,14 +14,6 @@ from flowgeom.experiments.scaling import QUICK, ScalingConfig, loglog_fit, quick
 
 TINY = ScalingConfig(taus=(0.04, 0.02, 0.01), steps=10, decay_steps=24, corpus_chars=5000, d_model=8, heads=2, d_k=4,
                      d_hidden=8, experts=2, seq_len=8, batch=4)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def test_loglog_fit_recovers_a_planted_slope_with_honest_interval():

@@ -26,8 +26,8 @@ from torch import nn
 from flowgeom.errors import FlowgeomError, choice_error
 from flowgeom.nn.attention import MultiHeadAttention
 from flowgeom.nn.feedforward import SwiGLU
+from flowgeom.nn.lm import NORMS, _norm
 
-NORMS = ("rmsnorm", "layernorm", "none")
 
 
 @dataclass(frozen=True)
@@ -55,14 +55,6 @@ class ViTConfig:
     @property
     def n_patches(self) -> int:
         return (self.image_size // self.patch) ** 2
-
-
-def _norm(kind: str, d: int) -> nn.Module:
-    if kind == "rmsnorm":
-        return nn.RMSNorm(d, eps=1e-6)
-    if kind == "layernorm":
-        return nn.LayerNorm(d, bias=False)
-    return nn.Identity()
 
 
 class EncoderLayer(nn.Module):
