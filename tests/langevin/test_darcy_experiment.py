@@ -16,14 +16,6 @@ TINY = DarcyConfig(n_train=64, n_test=16, d_model=8, d_k=4, d_mlp=8, batch_size=
                    lr=0.05, temperature=1e-3, log_every=10, checkpoint_every=10)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def test_tiny_run_completes(tmp_path):
     summary = run(TINY, tmp_path / "a")
     assert set(summary["arms"]) == {"none", "log", "power"}

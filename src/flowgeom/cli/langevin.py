@@ -88,6 +88,59 @@ def run_darcy(args: argparse.Namespace) -> int:
     return 1 if diverged else 0
 
 
+def run_rate_cmd(args: argparse.Namespace) -> int:
+    from flowgeom.experiments.langevin_rate import RateConfig, plot_rate, run_rate
+
+    _threads(args.threads)
+    cfg = RateConfig(loss=args.loss, chains=args.chains, start_radius=args.start_radius, lr=args.lr,
+                     temperature=args.temperature, steps=args.steps, regs=tuple(args.regs.split(",")), lam=args.lam,
+                     eps=args.eps, seed=args.seed)
+    result = run_rate(cfg)
+    if args.figure:
+        plot_rate(result, args.figure)
+    if args.json:
+        print_json(result)
+        return 0
+    out = console()
+    out.print(f"{cfg.loss}: {cfg.chains} chains from radius {cfg.start_radius:g}, s={cfg.temperature:g}, "
+              f"lr={cfg.lr:g}, L*={result['l_star']:.4g}")
+    out.print("τ(ε) in SDE time, ε = " + ", ".join(f"{e:.3g}" for e in result["eps"]))
+    for reg, hits in result["tau"].items():
+        slope = result["slope"][reg]
+        out.print(f"  {reg:10s} " + " ".join("—" if h is None else f"{h:.3g}" for h in hits)
+                  + f"   final E[V0]−L* {result['suboptimality'][reg][-1]:.3g}"
+                  + ("" if slope is None else f"   dτ/dlog(1/ε) {slope:.3g}"))
+    return 0
+
+
+def demo(out: str = "runs/demo/langevin") -> int:
+    """The langevin part of ``make demo``: Villani verdicts and a short Darcy norm-growth run (``out``)."""
+    from pathlib import Path
+
+    from flowgeom.experiments.darcy import QUICK, run
+    from flowgeom.langevin import Regularizer, objective, probe
+
+    _threads(1)
+    con = console()
+    con.print("[bold]Villani probe[/] (s=1, λ=0.01, ε=0.5): loss + regulariser → verdict")
+    cases = [(name, reg) for name in ("attention", "lora") for reg in ("none", "log", "power")]
+    for name, reg in [*cases, ("norm2", "none"), ("norm1", "none")]:
+        obj = objective(name)
+        if reg != "none":
+            obj = obj.with_regularizer(Regularizer(reg, lam=0.01, eps=0.5))
+        report = probe(obj, rays=2, points=8)
+        integral = report.orbit_integral["verdict"] if report.orbit_integral else "-"
+        con.print(f"  {name:10s} {reg:6s} → {report.verdict:12s} ∫exp(−2V/s) on orbit: {integral}")
+    cfg = replace(QUICK, pretrain_steps=800, steps=1500)
+    summary = run(cfg, Path(out) / "darcy", resume=True)
+    con.print("[bold]Darcy[/] (short run): ‖W_Q‖_F start → end per arm")
+    for reg, arm in summary["arms"].items():
+        con.print(f"  {reg:6s} {arm.get('wq_norm_start', float('nan')):.3f} → {arm.get('wq_norm', float('nan')):.3f}"
+                  f"   test RMSE {arm.get('test_rmse', float('nan')):.4f}")
+    con.print(f"  figure: {Path(out) / 'darcy' / 'figures' / 'darcy_norms.png'}")
+    return 0
+
+
 def register(sub) -> None:
     verbs = area(sub, "langevin", "convergent Langevin training: Villani probe, Darcy-flow experiment")
 
@@ -130,4 +183,20 @@ def register(sub) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: fastest for this small model)")
     p.add_argument("--seed", type=int, default=None, help="random seed (default 0)")
     add_device(p)
+    add_json(p)
+
+    p = command(verbs, "rate", help="time to ε-suboptimality vs log(1/ε) for many chains, regularised vs not",
+                example="flowgeom langevin rate --loss attention --figure rate.png", func=run_rate_cmd)
+    p.add_argument("--loss", default="attention", choices=["attention", "lora"], help="the paper's loss (small task)")
+    p.add_argument("--chains", type=int, default=128, help="independent chains (default 128)")
+    p.add_argument("--start-radius", type=float, default=30.0, help="‖θ_0‖ of every chain (default 30)")
+    p.add_argument("--lr", type=float, default=0.02, help="Langevin step size (default 0.02)")
+    p.add_argument("--temperature", type=float, default=0.01, help="temperature s (default 0.01)")
+    p.add_argument("--steps", type=int, default=3000, help="steps per arm (default 3000)")
+    p.add_argument("--regs", default="none,log,power", help="comma-separated arms (default none,log,power)")
+    p.add_argument("--lam", type=float, default=0.01, help="regulariser λ > 0 (default 0.01)")
+    p.add_argument("--eps", type=float, default=0.5, help="power regulariser ε > 0 (default 0.5)")
+    p.add_argument("--figure", help="save the curves and τ(ε) plot to this PNG")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    add_seed(p)
     add_json(p)
