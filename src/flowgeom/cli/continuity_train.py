@@ -26,6 +26,22 @@ def _overrides(args: argparse.Namespace, names: tuple[str, ...]) -> dict:
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 
+def _parse_sets(items: list[str] | None) -> dict:
+    """``--set KEY=VALUE`` pairs; values parsed as JSON when they can be (numbers, true/false, null)."""
+    import json
+
+    out = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise FlowgeomError(f"--set expects KEY=VALUE, got {item!r} (e.g. --set width=64)")
+        try:
+            out[key.strip().replace("-", "_")] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key.strip().replace("-", "_")] = value
+    return out
+
+
 def _common_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="quick", choices=("quick", "full"), help="scale (default quick)")
     p.add_argument("--out", required=True, help="run folder (created; refused if it holds a run, unless --resume)")
@@ -35,6 +51,8 @@ def _common_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--optimizer", choices=("sgd", "adam", "adam_b2_0"), help="optimiser (default adam)")
     p.add_argument("--log-every", dest="log_every", type=int, help="measure continuity every N steps")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    p.add_argument("--set", dest="sets", action="append", metavar="KEY=VALUE",
+                   help="any other config field, e.g. --set width=64 --set train_limit=5000 (repeatable)")
     add_seed(p)
     add_device(p)
     add_json(p)
@@ -43,7 +61,8 @@ def _common_run_options(p: argparse.ArgumentParser) -> None:
 def train(args: argparse.Namespace) -> int:
     _threads(args.threads)
     resolve_device(args.device)
-    opts = {**_overrides(args, ("steps", "lr", "optimizer", "log_every")), "seed": args.seed, "device": args.device}
+    opts = {**_overrides(args, ("steps", "lr", "optimizer", "log_every")), "seed": args.seed, "device": args.device,
+            **_parse_sets(args.sets)}
     if args.model == "mlp":
         from flowgeom.experiments.continuity_mlp import RunFolder, format_ablation, summarise_run, train_mlp, variant_config
 
@@ -93,7 +112,7 @@ def ablate(args: argparse.Namespace) -> int:
     else:
         variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
     opts = {**_overrides(args, ("steps", "lr", "optimizer", "log_every", "mnist_path")), "seed": args.seed,
-            "device": args.device}
+            "device": args.device, **_parse_sets(args.sets)}
     rows = run_ablation(args.out, preset=args.preset, variants=variants, resume=args.resume, **opts)
     figure = ablation_figure(args.out, variants, args.figure or Path(args.out) / "ablation.png")
     from flowgeom.runs import atomic_write_json
@@ -138,7 +157,7 @@ def register_verbs(verbs) -> None:
                         "flowgeom continuity ablate --variants all --preset full --out runs/ablation_full",
                 func=ablate)
     p.add_argument("--variants", default="core",
-                   help="core | all | comma list of: Res+ReLU, Res+GELU, Res+SiLU, NoRes, Res+None, Res+Radial, "
+                   help="core | all | comma list of: Res+ReLU, Res+GELU, Res+SiLU, NoRes, Res+None, Res+Radial, Res+Radial-rms, "
                         "Res+ReLU+LN, Res+None+LN, 'Res+ReLU init0.5', 'Res+ReLU init2', 'Res+ReLU SGD', "
                         "'Res+ReLU Adam-b2=0'")
     p.add_argument("--mnist", dest="mnist_path", help="folder of MNIST IDX files (default: the shipped MNIST)")

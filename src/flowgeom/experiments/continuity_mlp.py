@@ -49,6 +49,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "NoRes": {"activation": "relu", "residual": False},
     "Res+None": {"activation": "none"},
     "Res+Radial": {"activation": "radial"},
+    "Res+Radial-rms": {"activation": "radial_rms"},
     "Res+ReLU+LN": {"activation": "relu", "layernorm": True},
     "Res+None+LN": {"activation": "none", "layernorm": True},
     "Res+ReLU init0.5": {"activation": "relu", "init_scale": 0.5},
@@ -56,7 +57,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "Res+ReLU SGD": {"activation": "relu", "optimizer": "sgd", "lr": 0.01},
     "Res+ReLU Adam-b2=0": {"activation": "relu", "optimizer": "adam_b2_0"},
 }
-CORE = ("Res+ReLU", "Res+GELU", "Res+SiLU", "NoRes", "Res+None", "Res+Radial", "Res+ReLU+LN")
+CORE = ("Res+ReLU", "Res+GELU", "Res+SiLU", "NoRes", "Res+None", "Res+Radial", "Res+Radial-rms", "Res+ReLU+LN")
 
 PRESETS: dict[str, dict[str, Any]] = {
     # < 5 min for the CORE variants on 2 CPU cores.
@@ -69,6 +70,7 @@ SEED_CLAIMS: dict[str, dict[str, str]] = {
     "NoRes": {"g_v1": "~0.05 (chance)", "w_v1": "no continuity"},
     "Res+None": {"g_v1": "~0.93", "w_v1": "~0.22 (aligns, then drifts)"},
     "Res+Radial": {"w_v1": "~0.22"},
+    "Res+Radial-rms": {"w_v1": "(not in seed; low expected)"},
     "Res+ReLU": {"w_v1": "high, in v1"},
     "Res+GELU": {"w_v1": "high, in v1"},
     "Res+SiLU": {"w_v1": "high, in v1"},
@@ -80,7 +82,7 @@ SEED_CLAIMS: dict[str, dict[str, str]] = {
 class MLPRunConfig:
     variant: str = "Res+ReLU"     # label in tables
     residual: bool = True         # residual connections
-    activation: str = "relu"      # relu | gelu | silu | none | radial
+    activation: str = "relu"      # relu | gelu | silu | none | radial | radial_rms
     layernorm: bool = False       # pre-norm LayerNorm
     init_scale: float = 1.0       # hidden-weight init scale
     width: int = 256              # hidden width

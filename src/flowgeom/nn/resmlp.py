@@ -16,7 +16,9 @@ The ablation axes of the seed:
   (linear residual network; the symmetry is exact) and ``radial``,
   ``sigma(x) = x tanh(||x||)`` with ``||x||`` the Euclidean norm of the whole
   hidden vector of one sample: non-linear but rotation-equivariant,
-  ``sigma(R x) = R sigma(x)``, so it keeps the SO(width) symmetry;
+  ``sigma(R x) = R sigma(x)``, so it keeps the SO(width) symmetry
+  (``radial_rms`` uses ``tanh(||x|| / sqrt(width))``: the seed's formula is
+  numerically the identity at width 256, see :func:`radial_rms`);
 - ``residual`` on/off; ``layernorm`` (pre-norm, no affine weights) on/off;
 - ``init_scale``: hidden weights start ``U(-s/sqrt(width), s/sqrt(width))``
   (``s = 1`` is PyTorch's default ``nn.Linear`` init).
@@ -43,12 +45,23 @@ def radial(x: torch.Tensor) -> torch.Tensor:
     return x * torch.tanh(x.norm(dim=-1, keepdim=True))
 
 
+def radial_rms(x: torch.Tensor) -> torch.Tensor:
+    """``x tanh(||x|| / sqrt(d))``: the radial map on the RMS scale, still rotation-equivariant.
+
+    In 256-D the seed's ``tanh(||x||)`` is 1 to float32 precision for any
+    hidden vector of O(1) entries (``||x|| ~ 16``), i.e. the identity; this
+    variant is non-linear where the activations actually live.
+    """
+    return x * torch.tanh(x.norm(dim=-1, keepdim=True) / math.sqrt(x.shape[-1]))
+
+
 ACTIVATIONS = {
     "relu": F.relu,
     "gelu": F.gelu,
     "silu": F.silu,
     "none": lambda z: z,
     "radial": radial,
+    "radial_rms": radial_rms,
 }
 
 
@@ -59,7 +72,7 @@ class ResMLPConfig:
     depth: int = 16            # number of square hidden layers
     classes: int = 10          # read-out size
     residual: bool = True      # h + act(W h) (True) or act(W h) (False, "NoRes")
-    activation: str = "relu"   # relu | gelu | silu | none | radial
+    activation: str = "relu"   # relu | gelu | silu | none | radial | radial_rms
     layernorm: bool = False    # pre-norm LayerNorm (no affine) before each hidden layer
     init_scale: float = 1.0    # multiplies the default U(-1/sqrt(n), 1/sqrt(n)) init of hidden layers
 
