@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -72,4 +73,5 @@ def test_quick_demo_contract(tmp_path, monkeypatch):
 
     monkeypatch.setattr(scaling, "QUICK", dataclasses.replace(TINY, steps=4, decay_steps=8))
     out = quick_demo(tmp_path)
-    assert set(out) >= {"tau_slope", "control_slope", "figure"} and out["tau_slope"]["slope"] > 1.5
+    assert set(out) >= {"tau_slope", "control_slope", "figure", "drift_figure"} and out["tau_slope"]["slope"] > 1.5
+    assert Path(out["figure"]).exists() and Path(out["drift_figure"]).exists()

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from flowgeom.cli._common import add_device, add_json, area, command, console, print_json
+from flowgeom.cli._common import add_device, add_json, area, command, console, print_json, resolve_device
 from flowgeom.errors import FlowgeomError
 
 QUICK_RUN = {"archs": None, "lrs": (0.05, 0.2), "seeds": 1, "steps": 100, "regimes": ("gd", "sgd")}
@@ -32,8 +32,10 @@ def _progress(enabled: bool):
 
 
 def _threads(args: argparse.Namespace) -> None:
+    """Apply --threads and validate --device (one clear error when CUDA is asked for but absent)."""
     import torch
 
+    resolve_device(args.device)
     if args.threads < 1:
         raise FlowgeomError(f"--threads must be ≥ 1, got {args.threads}")
     torch.set_num_threads(args.threads)
@@ -45,7 +47,7 @@ def _run_base(args: argparse.Namespace, preset: dict[str, Any]):
     model = FULL_MODEL if args.full else {}
     return ConservationConfig(
         steps=args.steps or preset["steps"], optimizer=args.optimizer, weight_decay=args.weight_decay,
-        schedule=args.schedule, batch=args.batch or model.get("batch", 32), device=args.device,
+        schedule=args.schedule, batch=args.batch or model.get("batch", 32), device=args.device, dtype=args.dtype,
         **{k: v for k, v in model.items() if k != "batch"},
     )
 
@@ -202,6 +204,7 @@ def register(sub) -> None:
                    help="sgd (the laws' setting); momentum/adam break the laws (default sgd)")
     p.add_argument("--weight-decay", type=float, default=0.0, help="λ; also records the rescaled laws e^{dλt}·h")
     p.add_argument("--schedule", choices=("constant", "inverse"), default="constant", help="τ_k = τ or τ/(k+1)")
+    p.add_argument("--dtype", choices=("float32", "float64"), default="float32", help="training precision (default float32)")
     p.add_argument("--batch", type=int, default=None, help="batch size (= training set for gd; default 32)")
     p.add_argument("--images", default=None, help="ViT data: MNIST IDX, CIFAR-10 python or class folder (default: MNIST)")
     p = command(verbs, "scaling", help="fit the O(τ²k) law: slopes of ε in τ and k with 95%% CIs, and the router sums",

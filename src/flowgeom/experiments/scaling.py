@@ -241,10 +241,26 @@ def plot_scaling(result: Mapping[str, Any], cfg: ScalingConfig, path: Path) -> P
     return path
 
 
-def quick_demo(out_dir: str | Path, *, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """The quick experiment on one architecture (for ``make demo``): fitted τ-slope and figure path."""
-    cfg = dataclasses.replace(QUICK, archs=("mha-rope-swiglu",), decay_steps=80)
-    result = run_scaling(cfg, out_dir, resume=True, progress=progress)
+def quick_demo(out_dir: str | Path, *, threads: int | None = 1,
+               progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """The quick experiment on one architecture (for ``make demo``).
+
+    Returns the fitted τ-slope of the laws (≈ 2) and of the ‖W_Q‖² control
+    (≈ 1), the scaling figure and one run's ε(k) drift figure. ``threads``
+    sets torch's CPU threads for the call (restored after; 1 is fastest for
+    these small models); finished runs under ``out_dir`` are reused.
+    """
+    import torch
+
+    saved = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        cfg = dataclasses.replace(QUICK, archs=("mha-rope-swiglu",), decay_steps=80)
+        result = run_scaling(cfg, out_dir, resume=True, progress=progress)
+    finally:
+        torch.set_num_threads(saved)
     fits = result["archs"]["mha-rope-swiglu"]["tau_fits"]
+    drift = Path(out_dir) / "mha-rope-swiglu" / f"tau={result['k_tau']:g}" / "figures" / "drift.png"
     return {"tau_slope": fits["eps/all laws"], "control_slope": fits.get("control/norm.q_proj"),
-            "figure": result["figure"], "out": str(out_dir)}
+            "figure": result["figure"], "drift_figure": str(drift), "out": str(out_dir)}
