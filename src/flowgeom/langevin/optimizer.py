@@ -136,10 +136,10 @@ class Langevin(torch.optim.Optimizer):
             temperature = _value(group["temperature"], k, "temperature")
             sigma = math.sqrt(lr * temperature)
             grads = [p.grad for p in params]
-            by_dtype: dict[torch.dtype, list[int]] = {}
-            for i, p in enumerate(params):
-                by_dtype.setdefault(p.dtype, []).append(i)
-            for idx in by_dtype.values():
+            buckets: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+            for i, p in enumerate(params):  # one flat noise draw per (device, dtype)
+                buckets.setdefault((p.device, p.dtype), []).append(i)
+            for idx in buckets.values():
                 ps = [params[i] for i in idx]
                 gs = [grads[i] for i in idx]
                 noise = self._noise(ps) if sigma > 0 else None
