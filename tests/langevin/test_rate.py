@@ -25,3 +25,18 @@ def test_rate_regularised_converges_free_stays(tmp_path):
 def test_rate_bad_config(bad):
     with pytest.raises(FlowgeomError):
         RateConfig(**bad)
+
+
+def test_hitting_times_on_planted_exponential():
+    """d(t) = e^{-t}: τ(ε) = log(1/ε) + const, slope 1 against log(1/ε); a flat curve never hits."""
+    import math
+
+    from flowgeom.langevin.rate import hitting_times
+
+    times = [k * 0.001 for k in range(10001)]
+    table = hitting_times({"exp": (times, [math.exp(-t) for t in times]), "flat": (times, [1.0] * len(times))},
+                          floor_ratio=1e-3)
+    assert table["slope"]["exp"] == pytest.approx(1.0, abs=1e-3)
+    assert table["reached"]["flat"] == 0 and table["slope"]["flat"] is None
+    for e, t in zip(table["eps"], table["tau"]["exp"]):
+        assert t == pytest.approx(math.log(1 / e), abs=2e-3)

@@ -141,6 +141,16 @@ def demo(out: str = "runs/demo/langevin") -> int:
     return 0
 
 
+def _add_common(p: argparse.ArgumentParser, *, figure: str) -> None:
+    """Options shared by villani and rate: λ, ε, --figure, --threads, --seed, --json."""
+    p.add_argument("--lam", type=float, default=0.01, help="regulariser λ > 0 (default 0.01)")
+    p.add_argument("--eps", type=float, default=0.5, help="power regulariser ε > 0 (default 0.5)")
+    p.add_argument("--figure", help=figure)
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    add_seed(p)
+    add_json(p)
+
+
 def register(sub) -> None:
     verbs = area(sub, "langevin", "convergent Langevin training: Villani probe, Darcy-flow experiment")
 
@@ -150,18 +160,13 @@ def register(sub) -> None:
                 func=run_villani)
     p.add_argument("--loss", default="attention", choices=["attention", "lora", "norm2", "norm1"], help="the potential V")
     p.add_argument("--reg", default="none", choices=["none", "log", "power", "frobenius"], help="regulariser added to V")
-    p.add_argument("--lam", type=float, default=0.01, help="regulariser λ > 0 (default 0.01)")
-    p.add_argument("--eps", type=float, default=0.5, help="power regulariser ε > 0 (default 0.5)")
     p.add_argument("--temperature", type=float, default=1.0, help="temperature s > 0 (default 1)")
     p.add_argument("--rays", type=int, default=3, help="random rays (default 3)")
     p.add_argument("--r-max", type=float, default=1e3, help="largest radius probed (default 1e3)")
     p.add_argument("--points", type=int, default=12, help="points per path (default 12)")
     p.add_argument("--exact-max-dim", type=int, default=200, help="exact Hessian trace up to this D, else Hutchinson")
     p.add_argument("--probes", type=int, default=64, help="Hutchinson probe vectors (default 64)")
-    p.add_argument("--figure", help="save the V and Q plots to this PNG")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
-    add_seed(p)
-    add_json(p)
+    _add_common(p, figure="save the V and Q plots to this PNG")
 
     p = command(verbs, "darcy", help="Darcy-flow attention experiment: pretrain, then Langevin on W_Q, W_K (none/log/power)",
                 example="flowgeom langevin darcy --quick --out runs/darcy\n"
@@ -194,9 +199,4 @@ def register(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.01, help="temperature s (default 0.01)")
     p.add_argument("--steps", type=int, default=3000, help="steps per arm (default 3000)")
     p.add_argument("--regs", default="none,log,power", help="comma-separated arms (default none,log,power)")
-    p.add_argument("--lam", type=float, default=0.01, help="regulariser λ > 0 (default 0.01)")
-    p.add_argument("--eps", type=float, default=0.5, help="power regulariser ε > 0 (default 0.5)")
-    p.add_argument("--figure", help="save the curves and τ(ε) plot to this PNG")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
-    add_seed(p)
-    add_json(p)
+    _add_common(p, figure="save the curves and τ(ε) plot to this PNG")

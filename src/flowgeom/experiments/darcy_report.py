@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from flowgeom.langevin.rate import hitting_times
 from flowgeom.runs import RunFolder
 
 KEYS = ("train_rmse", "test_rmse", "test_rel_l2", "train_rel_l2", "gap", "wq_norm", "wk_norm")
@@ -44,38 +45,17 @@ def summarise(cfg, metrics: list[dict[str, Any]], results: dict[str, Any]) -> di
     return summary
 
 
-def convergence_rate(cfg, metrics: list[dict[str, Any]], l_star: float, *, n_eps: int = 8) -> dict[str, Any]:
-    """Steps for the train MSE (normalised) to first reach ``L* + ε``, on a geometric ε grid.
+def convergence_rate(cfg, metrics: list[dict[str, Any]], l_star: float) -> dict[str, Any]:
+    """Steps for the normalised train MSE to first reach ``L* + ε`` (``L*``: the pretrained model's train MSE).
 
-    ``L*`` is the pretrained model's train MSE. The grid runs from half the
-    largest initial suboptimality down to the best suboptimality any arm
-    reached (floored at 1e-3 of the top). ``slope`` is the least-squares
-    slope of steps against ``log(1/ε)`` over the ε an arm reached (linear in
-    ``log(1/ε)`` = the ``O(log 1/ε)`` law).
+    See :func:`flowgeom.langevin.rate.hitting_times` for the ε grid and the slope.
     """
-    subopt = {reg: _series(metrics, reg, "train_mse_norm") for reg in cfg.regs}
-    subopt = {reg: (s, [v - l_star for v in vals]) for reg, (s, vals) in subopt.items() if vals}
-    if not subopt:
-        return {}
-    top = 0.5 * max(vals[0] for _, vals in subopt.values())
-    best = min(min(vals) for _, vals in subopt.values())
-    low = max(best, 1e-3 * top) if top > 0 else 0
-    if top <= 0 or low >= top:
-        return {"l_star": l_star, "eps": [], "steps": {}, "slope": {}, "note": "the arms started at or below L*"}
-    eps = [top * (low / top) ** (i / (n_eps - 1)) for i in range(n_eps)]
-    table, slopes = {}, {}
-    for reg, (steps, vals) in subopt.items():
-        hits = [next((s for s, v in zip(steps, vals) if v <= e), None) for e in eps]
-        table[reg] = hits
-        pts = [(math.log(1 / e), h) for e, h in zip(eps, hits) if h is not None]
-        if len(pts) >= 2:
-            mx = sum(p[0] for p in pts) / len(pts)
-            my = sum(p[1] for p in pts) / len(pts)
-            var = sum((p[0] - mx) ** 2 for p in pts)
-            slopes[reg] = sum((p[0] - mx) * (p[1] - my) for p in pts) / var if var else math.nan
-        else:
-            slopes[reg] = None
-    return {"l_star": l_star, "eps": eps, "log_inv_eps": [math.log(1 / e) for e in eps], "steps": table, "slope": slopes}
+    series = {}
+    for reg in cfg.regs:
+        steps, vals = _series(metrics, reg, "train_mse_norm")
+        series[reg] = (steps, [v - l_star for v in vals])
+    table = hitting_times(series)
+    return {"l_star": l_star, **table, "steps": table["tau"]}
 
 
 def figures(folder: RunFolder, summary: dict[str, Any]) -> list[str]:

@@ -17,7 +17,6 @@ means never reached within ``steps``.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +26,7 @@ from torch.func import vmap
 from flowgeom.errors import FlowgeomError, choice_error
 from flowgeom.langevin import Langevin, Regularizer, objective
 from flowgeom.langevin.optimizer import check_hyper
+from flowgeom.langevin.rate import hitting_times
 from flowgeom.langevin.regularizers import KINDS
 
 
@@ -100,27 +100,8 @@ def run_rate(cfg: RateConfig) -> dict[str, Any]:
             opt.step()
         curves[reg] = curve
     times = [k * cfg.lr for k in range(0, cfg.steps + 1, cfg.record_every)]
-    top = 0.5 * max(c[0] for c in curves.values())
-    floor = max(min(min(c) for c in curves.values()), 1e-4 * top)
-    eps = [top * (floor / top) ** (i / 7) for i in range(8)] if top > floor > 0 else []
-    tau, slope = {}, {}
-    for reg, curve in curves.items():
-        hits = [next((t for t, v in zip(times, curve) if v <= e), None) for e in eps]
-        tau[reg] = hits
-        pts = [(math.log(1 / e), h) for e, h in zip(eps, hits) if h is not None]
-        slope[reg] = _slope(pts)
-    return {"config": cfg.__dict__, "l_star": l_star, "time": times, "suboptimality": curves, "eps": eps,
-            "log_inv_eps": [math.log(1 / e) for e in eps], "tau": tau, "slope": slope,
-            "reached": {reg: sum(h is not None for h in hits) for reg, hits in tau.items()}}
-
-
-def _slope(pts: list[tuple[float, float]]) -> float | None:
-    if len(pts) < 2:
-        return None
-    mx = sum(p[0] for p in pts) / len(pts)
-    my = sum(p[1] for p in pts) / len(pts)
-    var = sum((p[0] - mx) ** 2 for p in pts)
-    return sum((p[0] - mx) * (p[1] - my) for p in pts) / var if var else None
+    table = hitting_times({reg: (times, curve) for reg, curve in curves.items()}, floor_ratio=1e-4)
+    return {"config": cfg.__dict__, "l_star": l_star, "time": times, "suboptimality": curves, **table}
 
 
 def plot_rate(result: dict[str, Any], path) -> None:
