@@ -72,6 +72,15 @@ def _claim_verdict(claim, specs, outcomes, out: Path):
     return verdict
 
 
+def _relative(path: str | Path, out: Path) -> str:
+    """A figure path relative to the report folder when it lies inside it (else absolute)."""
+    path = Path(path).resolve()
+    try:
+        return str(path.relative_to(out.resolve()))
+    except ValueError:
+        return str(path)
+
+
 def _run_seconds(specs) -> float:
     import json
 
@@ -128,8 +137,7 @@ def reproduce(claims: Sequence[Any], *, out: str | Path, scale: str = "quick", b
         cspecs = by_claim.get(claim.id, [])
         outcomes = [outcome_of[s.key] for s in cspecs]
         verdict = _claim_verdict(claim, cspecs, outcomes, out).as_dict()
-        verdict["figures"] = [str(Path(f).resolve().relative_to(out.resolve())) if Path(f).is_absolute() else str(f)
-                              for f in verdict["figures"]]
+        verdict["figures"] = [_relative(f, out) for f in verdict["figures"]]
         rows.append({
             "id": claim.id, "area": claim.area, "seed": claim.seed, "seed_title": SEEDS[claim.seed],
             "text": claim.text, "command": claim.command(scale), "verdict": verdict, "runs": len(cspecs),
