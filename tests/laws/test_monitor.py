@@ -119,6 +119,18 @@ def test_weight_decay_rescaled_law_converges_as_tau_to_zero():
     assert raw[2] > 0.5 * raw[0]  # the raw law does not converge: weight decay breaks it
 
 
+def test_discrete_sgd_rescaling_is_second_order():
+    lam, t_end, eps = 0.5, 0.4, []
+    for tau in (0.02, 0.01):
+        steps = round(t_end / tau)
+        model = _model("swiglu", seed=3)
+        mon = ConservationMonitor(model, every=steps, weight_decay=lam, lr=tau, rescale="sgd", warn=False)
+        eps.append(_train(model, lr=tau, steps=steps, weight_decay=lam, monitor=mon)["eps/swiglu.up_down"])
+    flow = _train(_model("swiglu", seed=3), lr=0.01, steps=40, weight_decay=lam,
+                  monitor=None)  # no rescaling at all, for scale
+    assert eps[0] / eps[1] > 1.7 and eps[1] < 1e-3 * flow["eps/swiglu.up_down"]
+
+
 def test_homogeneity_degrees():
     model = _model("moe", gate="softmax")
     entry = catalogue(model)

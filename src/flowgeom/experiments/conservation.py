@@ -12,7 +12,8 @@ conservation error ε(k) of every law family (see
 - ``optimizer``: ``sgd`` (the laws' setting), ``momentum`` (0.9) or ``adam``
   — the last two break the laws at first order; ``weight_decay`` λ breaks
   them too, and the run also records the rescaled laws e^{dλt}·h (keys
-  ``wd/…``), conserved again up to O(τ²k).
+  ``wd/…``; the flow's factor, exact as τ → 0) and, for constant-step SGD,
+  (1 − τλ)^{−dk}·h (keys ``wd-sgd/…``, conserved up to O(τ²k) like plain GD).
 - ``schedule``: ``constant`` τ or ``inverse`` τ_k = τ_0/(k+1) (Σ τ_k² < ∞,
   so the error stays bounded).
 
@@ -221,7 +222,8 @@ def step_size(cfg: ConservationConfig, k: int) -> float:
 def _record(monitors: Mapping[str, ConservationMonitor], k: int, time: float, loss: float) -> dict[str, Any]:
     rec: dict[str, Any] = {"step": k, "time": time, "loss": loss}
     for prefix, mon in monitors.items():
-        rec.update({prefix + key: v for key, v in mon.measure(time=time).items()})
+        decay_log = -k * math.log1p(-mon.lr * mon.weight_decay) if mon.rescale == "sgd" else None
+        rec.update({prefix + key: v for key, v in mon.measure(time=time, decay_log=decay_log).items()})
     return rec
 
 
@@ -246,6 +248,9 @@ def run_conservation(cfg: ConservationConfig, out: str | Path, *, resume: bool =
     if cfg.weight_decay:
         monitors["wd/"] = ConservationMonitor(model, every=cfg.log_every, per_block=False, warn=False,
                                               weight_decay=cfg.weight_decay, lr=cfg.lr)
+        if cfg.optimizer == "sgd" and cfg.schedule == "constant" and cfg.lr * cfg.weight_decay < 1:
+            monitors["wd-sgd/"] = ConservationMonitor(model, every=cfg.log_every, per_block=False, warn=False,
+                                                      weight_decay=cfg.weight_decay, lr=cfg.lr, rescale="sgd")
     gen = torch.Generator().manual_seed(cfg.seed)
     start, time = 0, 0.0
     ckpt = run.load_checkpoint() if resume else None

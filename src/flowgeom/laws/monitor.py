@@ -19,7 +19,12 @@ flow θ̇ = −∇L(θ) − λθ a law h homogeneous of degree d (d = 2 for ever
 quadratic law of the catalogue, d = 1 for the router sum) obeys
 ḣ = ⟨∇h, −∇L⟩ − λ⟨∇h, θ⟩ = −dλh (Euler), so e^{dλt}·h(θ_t) is conserved:
 pass ``weight_decay=λ`` (and the step size ``lr`` so that t = k·τ, or pass
-``time=`` to :meth:`ConservationMonitor.step`).
+``time=`` to :meth:`ConservationMonitor.step`). For the *discrete* SGD
+update with decoupled weight decay, θ' = (1 − τλ)θ − τg, homogeneity gives
+h(θ') = (1 − τλ)^d·h(θ − τg/(1 − τλ)) = (1 − τλ)^d·(h(θ) + O(τ²)), so
+``rescale="sgd"`` tracks (1 − τλ)^{−dk}·h(θ_k), conserved up to the same
+O(τ²k) as plain GD (the flow factor e^{dλkτ} leaves an extra O(τλ²t) from
+discretising the decay itself).
 
 Use in any PyTorch loop::
 
@@ -130,11 +135,16 @@ class ConservationMonitor:
     def __init__(self, model: nn.Module, laws: CatalogueEntry | Sequence[Law] | None = None, *, every: int = 1,
                  run: Any = None, optimizer: torch.optim.Optimizer | None = None, weight_decay: float = 0.0,
                  lr: float | None = None, include_refuted: bool = True, per_block: bool = True,
-                 heads: int | None = None, positions: str | None = None, warn: bool = True):
+                 heads: int | None = None, positions: str | None = None, warn: bool = True,
+                 rescale: str = "flow"):
         if not isinstance(every, int) or every < 1:
             raise FlowgeomError(f"every must be a positive integer, got {every!r}")
         if weight_decay < 0:
             raise FlowgeomError(f"weight_decay must be ≥ 0, got {weight_decay}")
+        if rescale not in ("flow", "sgd"):
+            raise FlowgeomError(f"unknown rescale {rescale!r}; choose flow (e^(dλt)) or sgd ((1−τλ)^(−dk))")
+        if rescale == "sgd" and weight_decay and not (lr and 0 < lr * weight_decay < 1):
+            raise FlowgeomError(f"rescale='sgd' needs lr with 0 < lr·weight_decay < 1, got lr={lr}")
         if laws is None:
             laws = locate(model, heads=heads, positions=positions)
         entry = laws if isinstance(laws, CatalogueEntry) else CatalogueEntry(tuple(laws), (), ())
@@ -143,7 +153,7 @@ class ConservationMonitor:
             raise FlowgeomError(f"no conservation law found in {type(model).__name__}: it holds no zoo block and no "
                                 "HF-named attention (q/k/v/o_proj) or gated MLP (gate/up/down_proj)")
         self.model, self.every, self.run, self.per_block = model, every, run, per_block
-        self.weight_decay, self.lr = float(weight_decay), lr
+        self.weight_decay, self.lr, self.rescale = float(weight_decay), lr, rescale
         if warn:
             warn_plain_gd_only(optimizer)
         named = dict(model.named_parameters())
@@ -193,11 +203,16 @@ class ConservationMonitor:
         return sq.sqrt()
 
     @torch.no_grad()
-    def measure(self, *, time: float = 0.0) -> dict[str, float]:
-        """ε of every group now; ``time`` = t for the weight-decay rescaling e^{dλt}."""
+    def measure(self, *, time: float = 0.0, decay_log: float | None = None) -> dict[str, float]:
+        """ε of every group now.
+
+        With weight decay each law is rescaled by e^{d·s}: s = λ·``time`` (flow),
+        or ``decay_log`` when given (e.g. −k·log(1 − τλ) for discrete SGD).
+        """
         v = self.values()
         if self._degree is not None:
-            v = v * torch.exp(self._degree * self.weight_decay * time)
+            s = self.weight_decay * time if decay_log is None else decay_log
+            v = v * torch.exp(self._degree * s)
         rel = self._segment_norm(v - self.h0) / self._h0_norm.clamp_min(torch.finfo(torch.float64).tiny)  # (items,)
         sums = torch.zeros(len(self._keys), dtype=torch.float64).index_add_(0, self._pair_group, rel[self._pair_item])
         return dict(zip(self._keys, (sums / self._group_size).tolist()))
@@ -217,7 +232,10 @@ class ConservationMonitor:
             if self.weight_decay and self.lr is None:
                 raise FlowgeomError("with weight_decay the monitor needs lr= (t = k·lr) or step(..., time=t)")
             time = step * (self.lr or 0.0)
-        record = {"step": step, **(extra or {}), **self.measure(time=time)}
+        decay_log = None
+        if self.rescale == "sgd" and self.weight_decay:
+            decay_log = -step * math.log1p(-self.lr * self.weight_decay)
+        record = {"step": step, **(extra or {}), **self.measure(time=time, decay_log=decay_log)}
         if self.run is not None:
             self.run.log(record)
         return record
