@@ -156,9 +156,9 @@ def drift_verdict(runs: Sequence[RunRecord], figures_dir: Path) -> Verdict:
         ctrl = min(s["controls"].values(), default=float("nan"))
         label = f"{s['arch']} lr={r.config.get('lr')} s{r.config.get('seed')}"
         rows.append({"run": label, "max law ε": law, "min control ε": ctrl, "ratio": law / ctrl if ctrl else None})
-        steps = [c["step"] for c in s["curve"]]
-        series[f"{label} laws"] = (steps, [max(c["laws"] or 0, 1e-18) for c in s["curve"]])
-        series[f"{label} control"] = (steps, [max(c["control"] or 0, 1e-18) for c in s["curve"]])
+        for kind in ("laws", "control"):
+            pts = [(c["step"], c[kind]) for c in s["curve"] if c[kind]]  # ε(0) = 0 has no place on a log axis
+            series[f"{label} {kind}"] = ([k for k, _ in pts], [e for _, e in pts])
     fig = curves(figures_dir / "drift.png", series, title="conservation error ε(k) in SGD training",
                  xlabel="step k", ylabel="ε(k)", logy=True)
     text = "; ".join(f"{row['run']}: laws ≤ {row['max law ε']:.1e} vs control {row['min control ε']:.1e}" for row in rows)
