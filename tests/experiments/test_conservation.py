@@ -4,7 +4,6 @@ import json
 import re
 
 import pytest
-import torch
 
 from _one_thread import one_thread  # noqa: F401  (autouse fixture)
 
