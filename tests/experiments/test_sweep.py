@@ -165,3 +165,16 @@ def test_unknown_claim_and_area_are_usage_errors(tmp_path):
         run_reproduce(args_for("laws", "--only", "nope", "--out", str(tmp_path)), claims=[fakes.counter_claim()])
     with pytest.raises(SystemExit):
         args_for("physics")
+
+
+def test_default_out_is_fresh_and_resume_finds_the_latest(tmp_path, monkeypatch):
+    from flowgeom.cli import reproduce as cli
+
+    monkeypatch.setattr(cli, "DEFAULT_ROOT", tmp_path / "runs")
+    with pytest.raises(FlowgeomError, match="no earlier quick reproduction"):
+        cli._default_out("quick", True)
+    fresh = cli._default_out("quick", False)
+    assert fresh.parent == tmp_path / "runs" and fresh.name.startswith("quick-")
+    for name in ("quick-20260101-000000", "quick-20260102-000000", "full-20270101-000000"):
+        (tmp_path / "runs" / name).mkdir(parents=True)
+    assert cli._default_out("quick", True).name == "quick-20260102-000000"
