@@ -178,3 +178,12 @@ def test_default_out_is_fresh_and_resume_finds_the_latest(tmp_path, monkeypatch)
     for name in ("quick-20260101-000000", "quick-20260102-000000", "full-20270101-000000"):
         (tmp_path / "runs" / name).mkdir(parents=True)
     assert cli._default_out("quick", True).name == "quick-20260102-000000"
+
+
+def test_ray_backend_without_ray_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)
+    specs = plan([fakes.counter_claim(n=1)], scale="quick", out=tmp_path)
+    with pytest.raises(FlowgeomError, match=r"pip install 'ray==2.60.0'"):
+        run_sweep(specs, backend="ray")
+    with pytest.raises(FlowgeomError, match="backend"):
+        run_sweep(specs, backend="slurm")
