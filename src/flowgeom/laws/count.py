@@ -86,12 +86,16 @@ class SpanTracker:
     def rank(self) -> int:
         return self.dim - self.complement.shape[1] if self.complement is not None else self.basis.shape[0]
 
-    def add(self, vectors: torch.Tensor) -> int:
-        """Add a block (b, D); return the number of new directions."""
-        norms = vectors.norm(dim=1, keepdim=True)
-        ok = norms.squeeze(1) > 0
+    def add(self, vectors: torch.Tensor, scales: torch.Tensor | None = None) -> int:
+        """Add a block (b, D); return the number of new directions.
+
+        Rows are divided by ``scales`` (b,) — the magnitude their rounding error
+        is relative to; default their own norm — so σ is a relative measure.
+        """
+        scales = vectors.norm(dim=1) if scales is None else torch.maximum(scales, vectors.norm(dim=1))
+        ok = scales > 0
         self.dropped.extend([0.0] * int((~ok).sum()))
-        v = vectors[ok] / norms[ok]  # (b, D) unit rows
+        v = vectors[ok] / scales[ok, None]  # (b, D) rows of norm <= 1
         if v.shape[0] == 0 or self.rank == self.dim:
             self.dropped.extend([0.0] * v.shape[0])
             return 0
@@ -213,7 +217,7 @@ class FieldSource:
         self.generator, self.dtype, self.device = generator, dtype, device
         self.vectorised, self.draws = True, 0
 
-    def block(self, depth: int, n: int) -> torch.Tensor:
+    def block(self, depth: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         p = self.per_field if depth == 0 else max(1, self.per_field // 8)  # brackets mix generators already
         xs = draw_inputs(self.sampler, n, depth + 1, p, self.generator, dtype=self.dtype, device=self.device)
         cs = torch.randn(n, depth + 1, p, *self.out_shape, generator=self.generator, dtype=torch.float64)
@@ -229,7 +233,8 @@ class FieldSource:
             except Exception:  # some op has no vmap rule: fall back to a loop over draws
                 self.vectorised = False
         fn = self.model.nested(depth)
-        return torch.stack([fn(self.theta, xs[i], cs[i]) for i in range(n)])
+        pairs = [fn(self.theta, xs[i], cs[i]) for i in range(n)]
+        return torch.stack([v for v, _ in pairs]), torch.stack([s for _, s in pairs])
 
 
 def _grow_level(span: SpanTracker, source: FieldSource, depth: int, *, block: int, patience: int, max_blocks: int) -> None:
@@ -244,7 +249,7 @@ def _grow_level(span: SpanTracker, source: FieldSource, depth: int, *, block: in
         if span.rank == span.dim:
             return
         n = patience if saturated else min(block, span.dim - span.rank + patience)
-        added = span.add(source.block(depth, n))
+        added = span.add(*source.block(depth, n))
         if saturated and added == 0:
             return
         saturated = n - added >= patience

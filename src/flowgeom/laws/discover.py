@@ -104,11 +104,10 @@ def _confirm(a, b, checks: list[tuple[torch.Tensor, torch.Tensor]], *, tol: floa
     """Keep the combinations of candidates whose gradient lies in N_j at the extra points."""
     if a.shape[0] == 0:
         return a, b
-    rows = []
-    for theta, n in checks:
-        g = 2 * a @ theta + b  # (m, D)
-        g = g / g.norm(dim=1, keepdim=True).clamp_min(1e-300)
-        rows.append(g - (g @ n) @ n.T)  # (m, D) residual outside the complement
+    scale = torch.cat([2 * a @ theta + b for theta, _ in checks], dim=1).norm(dim=1).clamp_min(1e-300)  # (m,)
+    a, b = a / scale[:, None, None], b / scale[:, None]  # one scale per candidate: combinations stay meaningful
+    gs = [2 * a @ theta + b for theta, _ in checks]  # (m, D) gradients at each extra point
+    rows = [g - (g @ n) @ n.T for g, (_, n) in zip(gs, checks)]  # residual outside the complement
     r = torch.cat(rows, dim=1)  # (m, extra*D)
     _, s, vh = torch.linalg.svd(r.T, full_matrices=True)
     s = torch.cat([s, s.new_zeros(vh.shape[0] - s.numel())])
@@ -252,7 +251,7 @@ def _violation(laws, model, sampler, out_shape, gen, *, dtype, device) -> float:
     worst = 0.0
     for _ in range(2):
         theta = model.layout.flatten(random_point(model.module, gen)).to(device=device, dtype=dtype)
-        fields = FieldSource(model, theta, sampler, out_shape, gen, per_field=4, dtype=dtype, device=device).block(0, 32)
+        fields = FieldSource(model, theta, sampler, out_shape, gen, per_field=4, dtype=dtype, device=device).block(0, 32)[0]
         for law in laws:
             grad = 2 * law.quadratic.to(theta) @ theta + law.linear.to(theta)
             dots = (fields @ grad).abs() / (fields.norm(dim=1) * grad.norm()).clamp_min(1e-300)

@@ -110,30 +110,38 @@ class FieldModel:
         per_input = vmap(lambda t, x, c: (c * self.output(t, x)).sum(), in_dims=(None, 0, 0))
         return grad(lambda t: per_input(t, xs, cs).sum())(theta)
 
-    def nested(self, depth: int) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
-        """``g(θ, xs, cs)`` = left-nested bracket of ``depth + 1`` fields.
+    def nested(self, depth: int) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+        """``g(θ, xs, cs)`` = (left-nested bracket of ``depth + 1`` fields, its scale).
 
         ``xs`` (depth+1, p, *sample) and ``cs`` (depth+1, p, *out) hold the inputs
         and output weights of the fields X_1 … X_{depth+1};
-        g = [X_1, [X_2, … [X_depth, X_{depth+1}] …]]; depth 0 is X_1 itself.
+        g = [X_1, [X_2, … [X_depth, X_{depth+1}] … ]]; depth 0 is X_1 itself.
+        The scale ‖J_B A‖ + ‖J_A B‖ is what rounding errors are relative to: a
+        bracket that cancels to round-off (e.g. [aV, bV] = 0) must count as
+        zero, not be blown up to a unit vector.
         """
         if depth == 0:
-            return lambda theta, xs, cs: self.field(theta, xs[0], cs[0])
+            def single(theta, xs, cs):
+                v = self.field(theta, xs[0], cs[0])
+                return v, torch.linalg.vector_norm(v)
+
+            return single
         inner = self.nested(depth - 1)
 
         def bracket(theta, xs, cs):
             outer = lambda t: self.field(t, xs[0], cs[0])  # noqa: E731
             a = outer(theta)
-            b, db_a = jvp(lambda t: inner(t, xs[1:], cs[1:]), (theta,), (a,))  # J_B(θ) A(θ)
+            b, db_a, _ = jvp(lambda t: inner(t, xs[1:], cs[1:]), (theta,), (a,), has_aux=True)  # J_B(θ) A(θ)
             _, da_b = jvp(outer, (theta,), (b,))  # J_A(θ) B(θ)
-            return db_a - da_b
+            return db_a - da_b, torch.linalg.vector_norm(db_a) + torch.linalg.vector_norm(da_b)
 
         return bracket
 
-    def draw(self, theta: torch.Tensor, depth: int, xs: torch.Tensor, cs: torch.Tensor, *, chunk: int) -> torch.Tensor:
-        """A block of brackets for draws ``xs`` (n, depth+1, p, *sample), ``cs`` (n, depth+1, p, *out) -> (n, D)."""
+    def draw(self, theta: torch.Tensor, depth: int, xs: torch.Tensor, cs: torch.Tensor, *, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Brackets for draws ``xs`` (n, depth+1, p, *sample), ``cs`` (n, depth+1, p, *out) -> (n, D), scales (n,)."""
         fn = vmap(self.nested(depth), in_dims=(None, 0, 0))
-        return torch.cat([fn(theta, xs[i : i + chunk], cs[i : i + chunk]) for i in range(0, xs.shape[0], chunk)])
+        parts = [fn(theta, xs[i : i + chunk], cs[i : i + chunk]) for i in range(0, xs.shape[0], chunk)]
+        return torch.cat([v for v, _ in parts]), torch.cat([s for _, s in parts])
 
 
 def module_sampler(module: nn.Module) -> Sampler:
