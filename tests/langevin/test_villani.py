@@ -42,6 +42,8 @@ def test_regulariser_laplacian_matches_probe():
     ("norm2", "none", "holds"), ("norm1", "none", "fails"),
     ("attention", "none", "fails"), ("attention", "log", "holds"), ("attention", "power", "holds"),
     ("lora", "none", "fails"), ("lora", "log", "holds"), ("lora", "power", "holds"),
+    # measured, λ = 0.01: plain weight decay loses to the growing Laplacian along the LoRA orbit
+    ("lora", "frobenius", "fails"),
 ])
 def test_verdicts(name, reg, expected):
     obj = objective(name)
@@ -51,6 +53,9 @@ def test_verdicts(name, reg, expected):
     assert report.verdict == expected, [(p.kind, p.verdict) for p in report.paths]
     if name in ("attention", "lora"):
         assert report.orbit_integral["verdict"] == ("diverges" if reg == "none" else "converges")
+    if reg == "frobenius":  # confining (V → ∞, ∫ converges) yet not Villani: Q → −∞ on the orbit
+        orbit = report.paths[-1]
+        assert orbit.kind == "orbit" and orbit.confining and orbit.villani[-1] < 0
 
 
 def test_norm1_quantity_tends_to_finite_limit():
