@@ -89,3 +89,19 @@ def test_cli_run_json_and_divergence_exit(tmp_path, capsys):
 def test_all_named_archs_build():
     assert set(ARCHS) >= {"mha-none-swiglu", "mha-sinusoidal-swiglu", "mha-rope-swiglu", "moe-dense-softmax",
                           "moe-top2-softmax", "moe-dense-sigmoid", "moe-top2-sigmoid", "vit"}
+
+
+def test_vit_on_a_local_cifar_folder(tmp_path):
+    import pickle
+
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        with open(tmp_path / name, "wb") as fh:
+            pickle.dump({b"data": rng.integers(0, 256, (8, 3072), dtype=np.uint8), b"labels": [i % 10 for i in range(8)]}, fh)
+    cfg = ConservationConfig.for_arch("vit", **{**TINY, "patch": 8}, data=str(tmp_path), lr=0.05)
+    summary = run_conservation(cfg, tmp_path / "run")
+    assert summary["final"]["step"] == TINY["steps"] and "eps/attn.qk" in summary["families"]
+    with pytest.raises(FlowgeomError, match="--patch"):
+        run_conservation(cfg.replace(patch=7), tmp_path / "bad")

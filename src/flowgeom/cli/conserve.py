@@ -48,6 +48,7 @@ def _run_base(args: argparse.Namespace, preset: dict[str, Any]):
     return ConservationConfig(
         steps=args.steps or preset["steps"], optimizer=args.optimizer, weight_decay=args.weight_decay,
         schedule=args.schedule, batch=args.batch or model.get("batch", 32), device=args.device, dtype=args.dtype,
+        patch=args.patch,
         **{k: v for k, v in model.items() if k != "batch"},
     )
 
@@ -192,7 +193,7 @@ def register(sub) -> None:
     p = command(verbs, "run", help="train LMs on text and ViTs on images; record ε(k) per law family with controls",
                 example="flowgeom conserve run --quick --out runs/conserve\n"
                         "flowgeom conserve run --arch moe-dense-sigmoid --lr 0.1 --regime gd --steps 200\n"
-                        "flowgeom conserve run --full --text data/wikitext-103 --images data/imagenet --out runs/paper",
+                        "flowgeom conserve run --full --text data/wikitext-103 --images data/imagenet --patch 16 --out runs/paper",
                 func=run_cmd)
     _common(p, "runs/conserve")
     p.add_argument("--task", choices=("lm", "vit", "both"), default="both", help="which models (default both)")
@@ -206,6 +207,8 @@ def register(sub) -> None:
     p.add_argument("--schedule", choices=("constant", "inverse"), default="constant", help="τ_k = τ or τ/(k+1)")
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32", help="training precision (default float32)")
     p.add_argument("--batch", type=int, default=None, help="batch size (= training set for gd; default 32)")
+    p.add_argument("--patch", type=int, default=7, help="ViT patch side; must divide the image side (default 7 for "
+                                                        "MNIST; e.g. 8 for CIFAR-10, 16 for ImageNet 224)")
     p.add_argument("--images", default=None, help="ViT data: MNIST IDX, CIFAR-10 python or class folder (default: MNIST)")
     p = command(verbs, "scaling", help="fit the O(τ²k) law: slopes of ε in τ and k with 95%% CIs, and the router sums",
                 example="flowgeom conserve scaling --quick --out runs/scaling\n"
