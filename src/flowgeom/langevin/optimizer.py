@@ -80,16 +80,21 @@ class Langevin(torch.optim.Optimizer):
         foreach: use the ``torch._foreach_*`` kernels (default) or a loop.
         check_finite: raise :class:`FlowgeomError` when a step produces a
             non-finite parameter (a blown-up chain), naming the step.
+        check_every: run that check every ``check_every`` steps (it reads a
+            value back from the device: on a GPU it costs a synchronisation).
     """
 
     def __init__(self, params: Iterable[Any], lr: Schedule, temperature: Schedule, *,
                  generator: torch.Generator | None = None, seed: int = 0, foreach: bool = True,
-                 check_finite: bool = True):
+                 check_finite: bool = True, check_every: int = 1):
         check_hyper(lr, temperature)
         defaults = {"lr": lr, "temperature": temperature}
         super().__init__(params, defaults)
         self.foreach = bool(foreach)
         self.check_finite = bool(check_finite)
+        if int(check_every) < 1:
+            raise FlowgeomError(f"check_every must be >= 1, got {check_every}")
+        self.check_every = int(check_every)
         self.step_count = 0
         if generator is None:
             device = self.param_groups[0]["params"][0].device
@@ -152,7 +157,7 @@ class Langevin(torch.optim.Optimizer):
                         p.add_(gs[j], alpha=-lr)
                         if noise is not None:
                             p.add_(noise[j], alpha=sigma)
-            if self.check_finite:
+            if self.check_finite and k % self.check_every == 0:
                 self._check(params, k, lr, temperature)
         self.step_count += 1
         return loss
