@@ -1,0 +1,120 @@
+"""discover() recovers exactly the catalogue's span of laws, and prints them in parameter names."""
+
+import pytest
+import torch
+from torch import nn
+from torch.func import hessian, jacrev
+
+from flowgeom.errors import FlowgeomError
+from flowgeom.laws.catalogue import laws_of
+from flowgeom.laws.discover import discover, format_law
+from flowgeom.laws.fields import ParamLayout, shape_sampler
+from flowgeom.nn import build
+
+
+def _coefficients(q: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """h = θᵀQθ + bᵀθ -> [Q's upper triangle | b] (one row)."""
+    iu = torch.triu_indices(q.shape[0], q.shape[0])
+    return torch.cat([q[iu[0], iu[1]], b])
+
+
+def _catalogue_rows(model: nn.Module) -> torch.Tensor:
+    """Independent route: Hessian and gradient at 0 of the catalogue's evaluate (h quadratic => exact)."""
+    model = model.double()
+    layout = ParamLayout.of(model)
+    zero = torch.zeros(layout.size, dtype=torch.float64)
+    rows = []
+    for law in laws_of(model):
+        fn = lambda t, law=law: law.evaluate(layout.unflatten(t))  # noqa: E731
+        hs, gs = hessian(fn)(zero), jacrev(fn)(zero)  # (count, D, D), (count, D)
+        rows += [_coefficients(h / 2, g) for h, g in zip(hs, gs)]
+    return torch.stack(rows) if rows else torch.zeros(0, layout.size * (layout.size + 1) // 2 + layout.size)
+
+
+def _rank(m: torch.Tensor) -> int:
+    if m.shape[0] == 0:
+        return 0
+    s = torch.linalg.svdvals(m)
+    return int((s > 1e-7 * s[0]).sum())
+
+
+CASES = [
+    ("relu2", dict(d_in=3, width=2, d_out=2)),
+    ("relu2", dict(d_in=2, width=2, d_out=2, bias=True)),
+    ("linear2", dict(d_in=3, width=2, d_out=3)),
+    ("ffn", dict(d_model=2, d_hidden=3, activation="gelu")),
+    ("swiglu", dict(d_model=3, d_hidden=2)),
+    ("mha", dict(d_model=3, heads=1, d_k=2, d_v=2)),
+    ("mha", dict(d_model=3, heads=1, d_k=2, d_v=1, positions="sinusoidal")),
+    ("mha", dict(d_model=2, heads=1, d_k=4, d_v=1, positions="rope")),
+    ("moe", dict(d_model=2, d_hidden=1, experts=2)),
+    ("moe", dict(d_model=2, d_hidden=1, experts=3, top_k=2, router_bias=True)),
+    ("moe", dict(d_model=2, d_hidden=1, experts=2, gate="sigmoid")),
+    ("chain", dict(widths="2,2,3")),
+]
+
+
+@pytest.mark.parametrize("name,opts", CASES, ids=[f"{n}-{'-'.join(f'{k}{v}' for k, v in o.items())}" for n, o in CASES])
+def test_discover_spans_exactly_the_catalogue(name, opts):
+    model = build(name, seed=0, **opts)
+    res = discover(model, seed=0)
+    found = torch.stack([_coefficients(law.quadratic, law.linear) for law in res.laws]) if res.laws else _catalogue_rows(model)[:0]
+    known = _catalogue_rows(model)
+    assert len(res.laws) == known.shape[0] == res.expected
+    assert _rank(found) == _rank(known) == _rank(torch.cat([found, known])) == len(res.laws)
+    assert res.max_violation < 1e-9
+
+
+def test_swiglu_laws_print_as_row_and_column_norms():
+    res = discover(build("swiglu", seed=0, d_model=3, d_hidden=2))
+    assert [law.formula for law in res.laws] == [
+        f"‖up_proj.weight[{i},:]‖² − ‖down_proj.weight[:,{i}]‖²" for i in range(2)
+    ]
+
+
+def test_linear2_gram_entries_and_moe_router_sums():
+    lin = [law.formula for law in discover(build("linear2", seed=0, d_in=2, width=2, d_out=2)).laws]
+    assert "⟨up_proj.weight[0,:], up_proj.weight[1,:]⟩ − ⟨down_proj.weight[:,0], down_proj.weight[:,1]⟩" in lin
+    moe = discover(build("moe", seed=0, d_model=2, d_hidden=1, experts=2))
+    assert {"Σ router.weight[:,0]", "Σ router.weight[:,1]"} <= {law.formula for law in moe.laws}
+    assert any("products of linear laws" in n for n in moe.notes)
+
+
+class Product(nn.Module):
+    """f(x) = u·v·x: the planted law u² − v²."""
+
+    def __init__(self):
+        super().__init__()
+        self.u = nn.Parameter(torch.tensor(0.7))
+        self.v = nn.Parameter(torch.tensor(-1.3))
+
+    def forward(self, x):
+        return self.u * self.v * x
+
+
+def test_planted_scalar_law_and_evaluate():
+    res = discover(Product(), shape_sampler((2,)))
+    assert len(res.laws) == 1
+    law = res.laws[0]
+    theta = torch.tensor([0.3, 2.0], dtype=torch.float64)
+    assert torch.isclose(law.evaluate(theta), torch.tensor(0.09 - 4.0, dtype=torch.float64))
+    assert res.expected is None
+
+
+def test_format_law_falls_back_to_coefficients():
+    layout = ParamLayout(("w",), ((2, 2),))
+    q = torch.zeros(4, 4, dtype=torch.float64)
+    q[0, 3] = q[3, 0] = 0.5  # w[0,0]·w[1,1]
+    assert format_law(q, torch.zeros(4, dtype=torch.float64), layout) == "w[0, 0]·w[1, 1]"
+
+
+def test_bad_degree_and_size():
+    with pytest.raises(FlowgeomError, match="degree 3"):
+        discover(build("swiglu"), degree=3)
+    with pytest.raises(FlowgeomError, match="exceeds --max-parameters"):
+        discover(build("swiglu"), max_parameters=50)
+
+
+def test_degree_one_finds_only_linear_laws():
+    res = discover(build("moe", seed=0, d_model=2, d_hidden=1, experts=2), degree=1)
+    assert sorted(law.formula for law in res.laws) == ["Σ router.weight[:,0]", "Σ router.weight[:,1]"]
