@@ -101,3 +101,19 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
+
+
+def fill_run(config, folder: RunFolder, resume: bool) -> dict:
+    """With $FAKE_FILL set, write into the run folder until the disk is full (the OSError propagates)."""
+    if config["fill"] and os.environ.get("FAKE_FILL"):
+        with open(folder.path / "blob.bin", "wb") as fh:
+            while True:
+                fh.write(b"\0" * 65536)
+                fh.flush()
+                os.fsync(fh.fileno())
+    return {"fill": config["fill"]}
+
+
+def fill_claim() -> Claim:
+    return Claim(area="laws", id="fake.fill", seed="000", text="Fills the disk.",
+                 quick=({"fill": True}, {"fill": False}), run=fill_run, verdict=boom_verdict)

@@ -187,3 +187,31 @@ def test_ray_backend_without_ray_is_a_clear_error(tmp_path, monkeypatch):
         run_sweep(specs, backend="ray")
     with pytest.raises(FlowgeomError, match="backend"):
         run_sweep(specs, backend="slurm")
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 1 MiB tmpfs (root only; skipped where mounting is not allowed)."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs to fill a disk here: {r.stderr.strip() or r.returncode}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_disk_full_reports_failures_keeps_results_and_resumes(tiny_disk, monkeypatch):
+    out = tiny_disk / "sweep"
+    claims = [fakes.counter_claim(n=2, seeds=(0,)), fakes.fill_claim()]
+    monkeypatch.setenv("FAKE_FILL", "1")
+    with pytest.raises(FlowgeomError) as err:
+        run_reproduce(args_for("laws", "--out", str(out)), claims=claims)
+    msg = str(err.value)
+    assert "1 runs finished" in msg and "2 failed" in msg and "disk full" in msg and "report could not be written" in msg
+    assert len(summaries(out)) == 1  # the run that finished before the disk filled up is kept
+    for blob in out.glob("runs/fake.fill/*/blob.bin"):
+        blob.unlink()
+    monkeypatch.delenv("FAKE_FILL")
+    assert run_reproduce(args_for("laws", "--out", str(out), "--resume"), claims=claims) == 0
+    assert len(summaries(out)) == 3 and (out / "report.html").exists()

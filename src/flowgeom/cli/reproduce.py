@@ -150,9 +150,15 @@ def reproduce(claims: Sequence[Any], *, out: str | Path, scale: str = "quick", b
         "seconds": time.perf_counter() - t0, "areas": list(dict.fromkeys(areas or [c.area for c in claims])),
         "machine": machine_info(), "claims": rows, "failures": [o.as_dict() for o in result.failed],
     }
-    atomic_write_json(out / "sweep.json", result.as_dict())
-    atomic_write_json(out / REPORT_JSON, report)
-    md, page = write_report(out)
+    try:
+        atomic_write_json(out / "sweep.json", result.as_dict())
+        atomic_write_json(out / REPORT_JSON, report)
+        md, page = write_report(out)
+    except FlowgeomError as exc:
+        counts = result.as_dict()
+        first = f"; first failure {result.failed[0].key}: {result.failed[0].error}" if result.failed else ""
+        raise FlowgeomError(f"{counts['finished'] + counts['skipped']} runs finished (kept in {out / 'runs'}), "
+                            f"{counts['failed']} failed{first}; the report could not be written: {exc}") from exc
     return report | {"paths": {"markdown": str(md), "html": str(page)}, "sweep": result.as_dict()}
 
 
