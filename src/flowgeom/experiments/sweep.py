@@ -117,7 +117,7 @@ def execute(spec: RunSpec, resume: bool) -> Outcome:
     folder = RunFolder(spec.path)
     if folder.finished:
         return Outcome(spec.key, "skipped")
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     resuming = False
     try:
         resuming = resume and (folder.path / RunFolder.CONFIG).exists()
@@ -127,7 +127,8 @@ def execute(spec: RunSpec, resume: bool) -> Outcome:
         if not isinstance(summary, dict):
             raise FlowgeomError(f"run function of {spec.claim_id} returned {type(summary).__name__}, not a dict")
         seconds = time.perf_counter() - start
-        atomic_write_json(folder.path / TIMING, {"seconds": seconds, "resumed": resuming, "pid": os.getpid()})
+        atomic_write_json(folder.path / TIMING, {"seconds": seconds, "cpu_seconds": time.process_time() - cpu,
+                                                 "resumed": resuming, "pid": os.getpid()})
         folder.finish(summary)
         return Outcome(spec.key, "finished", seconds, resumed=resuming)
     except Exception as exc:  # noqa: BLE001 - every failure is reported, the sweep goes on
