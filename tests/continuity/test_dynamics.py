@@ -40,6 +40,9 @@ def test_matches_full_svd(shape):
     assert got["v1"] == pytest.approx(float(v1.mean()), abs=1e-4)
     assert got["gram_in"] == pytest.approx(float(gin.mean()), rel=1e-5)
     assert got["gram_out"] == pytest.approx(float(gout.mean()), rel=1e-5)
+    _, _, Vh = torch.linalg.svd(stack.double(), full_matrices=False)
+    sub = ((Vh[:-1, :2] @ Vh[1:, :2].mT) ** 2).sum((-2, -1)) / 2  # mean cos² of principal angles, top-2
+    assert got["subspace_in"] == pytest.approx(float(sub.mean()), abs=1e-4)
 
 
 def test_planted_shared_direction_is_continuous():
@@ -65,7 +68,9 @@ def test_identical_gradients_give_gradient_continuity_one():
     for p in params:
         p.grad = g.clone()
     rec = tracker.measure()["w"]
-    for key in ("v1", "u1", "gram_in", "gram_out"):
+    assert rec["v1_baseline"] == pytest.approx(math.gamma(2.5) / (math.sqrt(math.pi) * math.gamma(3)))  # d = 5
+    assert {"u1_baseline", "gram_in_baseline", "subspace_in_baseline"} <= set(rec)
+    for key in ("v1", "u1", "gram_in", "gram_out", "subspace_in", "index_in"):
         assert rec["grad"][key] == pytest.approx(1.0, abs=1e-5)
     assert rec["weight"]["v1"] < 0.99  # independent random weights
 
@@ -130,5 +135,16 @@ def test_ranges_and_lengths(L, m, n, seed):
     got = stack_continuity(stack, k=4, seed=seed)
     k = min(4, m, n)
     assert len(got["v1_pairs"]) == L - 1 and len(got["v_idx"]) == k and len(got["u_idx"]) == k
-    for key in ("v1", "u1", "gram_in", "gram_out", "sw_v", "sw_u"):
+    for key in ("v1", "u1", "gram_in", "gram_out", "index_in", "index_out", "subspace_in", "subspace_out"):
         assert -1e-6 <= got[key] <= 1 + 1e-6
+
+
+def test_low_rank_gradient_stacks_stay_in_range():
+    """Rank-deficient stacks (gradients at init): cosines stay in [0, 1] and v1 matches the full SVD."""
+    g = torch.Generator().manual_seed(5)
+    stack = torch.randn(4, 20, 2, generator=g) @ torch.randn(4, 2, 20, generator=g)
+    stack[1] *= 1e-3
+    got = stack_continuity(stack, k=4)
+    v1, u1, _, _ = direct(stack)
+    assert got["v1_pairs"] == pytest.approx(v1.tolist(), abs=1e-4)
+    assert all(0 <= c <= 1 + 1e-9 for c in got["v_idx"] + got["u_idx"])

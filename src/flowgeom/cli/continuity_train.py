@@ -64,7 +64,8 @@ def train(args: argparse.Namespace) -> int:
     opts = {**_overrides(args, ("steps", "lr", "optimizer", "log_every")), "seed": args.seed, "device": args.device,
             **_parse_sets(args.sets)}
     if args.model == "mlp":
-        from flowgeom.experiments.continuity_mlp import RunFolder, format_ablation, summarise_run, train_mlp, variant_config
+        from flowgeom.experiments.continuity_mlp import format_ablation, summarise_run, train_mlp, variant_config
+        from flowgeom.runs import RunFolder
 
         cfg = variant_config(args.variant, args.preset, **opts, **_overrides(args, ("mnist_path",)))
         summary = train_mlp(cfg, args.out, resume=args.resume)

@@ -1,40 +1,58 @@
 """Adapter: the analyzer's pair metrics, shaped for :mod:`flowgeom.continuity.dynamics`.
 
-Every number comes from :mod:`flowgeom.continuity.spectra` (top singular
-pairs, pair metrics, random baselines); this module only batches them over
-the ``L-1`` adjacent pairs of one stack and names the outputs.
+Every number comes from the analyzer (:mod:`flowgeom.continuity.spectra`,
+:mod:`~flowgeom.continuity.metrics`, :mod:`~flowgeom.continuity.baselines`);
+this module only slices one stack ``(L, m, n)`` into its ``L-1`` adjacent
+pairs ``(M[:-1], M[1:])``, calls those functions once per stack, and adds a
+convergence guard.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from flowgeom.continuity.spectra import top_singular_pairs
+from flowgeom.continuity.baselines import analytic_baselines
+from flowgeom.continuity.metrics import abs_cos, gram_similarity_in, gram_similarity_out, pair_metrics
+from flowgeom.continuity.spectra import SingularPairs, full_singular_pairs, top_singular_pairs
 
-SVD_TOL = 1e-8  # eigen-residual tolerance of the analyzer's Krylov solver (on the Gram, i.e. sigma^2)
+SVD_TOL = 1e-8    # eigen-residual tolerance of the analyzer's Krylov solver (on the Gram, i.e. sigma^2)
+CHECK_TOL = 1e-5  # a matrix whose returned residual exceeds this is recomputed by the full SVD
 
 
-def pair_metrics(stack: torch.Tensor, *, k: int, seed: int) -> dict[str, torch.Tensor]:
-    """Metrics of the adjacent pairs of ``stack`` (L m n); each value has L-1 rows."""
+def checked_pairs(stack: torch.Tensor, k: int, seed: int) -> SingularPairs:
+    """Top-k pairs from the fast solver; matrices it did not converge on are redone by the full SVD.
+
+    Guard for gradients at initialisation (near-degenerate, low-rank stacks),
+    where the batched Krylov solver was seen to return a non-unit ``v_1`` with
+    a residual of ~3 for one matrix of the stack.
+    """
     p = top_singular_pairs(stack, k, tol=SVD_TOL, seed=seed)
-    a, b = slice(0, -1), slice(1, None)
-    v_idx = (p.V[a] * p.V[b]).sum(-2).abs()  # (L-1, k)
-    u_idx = (p.U[a] * p.U[b]).sum(-2).abs()  # (L-1, k)
-    w = p.S[a] ** 2 + p.S[b] ** 2  # (L-1, k)
-    A, B = stack[a].double(), stack[b].double()
-    gram_in = (A @ B.mT).square().sum((-2, -1)) / ((A.mT @ A).norm(dim=(-2, -1)) * (B.mT @ B).norm(dim=(-2, -1)))
-    gram_out = (A.mT @ B).square().sum((-2, -1)) / ((A @ A.mT).norm(dim=(-2, -1)) * (B @ B.mT).norm(dim=(-2, -1)))
-    return {"v_idx": v_idx, "u_idx": u_idx, "sw_v": (w * v_idx).sum(-1) / w.sum(-1),
-            "sw_u": (w * u_idx).sum(-1) / w.sum(-1), "gram_in": gram_in, "gram_out": gram_out}
+    bad = ~(p.residual <= CHECK_TOL)  # (L,), NaN counts as bad
+    if not bool(bad.any()):
+        return p
+    U, S, V = p.U.clone(), p.S.clone(), p.V.clone()
+    f = full_singular_pairs(stack[bad], k)
+    U[bad], S[bad], V[bad] = f.U.to(U), f.S.to(S), f.V.to(V)
+    return SingularPairs(U, S, V, torch.where(bad, torch.zeros_like(p.residual), p.residual), p.iters)
 
 
-def _mean_abs_cos(n: int) -> float:
-    """E|<x, y>| for independent uniform unit vectors in R^n: Γ(n/2) / (√π Γ((n+1)/2))."""
-    return math.exp(math.lgamma(n / 2) - math.lgamma((n + 1) / 2)) / math.sqrt(math.pi)
+def stack_pair_metrics(stack: torch.Tensor, *, k: int, seed: int) -> dict[str, torch.Tensor]:
+    """Metrics of the adjacent pairs of ``stack`` (L m n); each value has L-1 rows.
+
+    Keys: the analyzer's ``v1 u1 subspace_in subspace_out index_in index_out
+    gram_in gram_out`` (each (L-1,)) and ``v_idx``/``u_idx`` (L-1, k), the
+    ``|cos|`` of the i-th singular vectors.
+    """
+    p = checked_pairs(stack, k, seed)
+    a, b = p[:-1], p[1:]
+    out = dict(pair_metrics(a, b))
+    out["gram_in"] = gram_similarity_in(stack[:-1], stack[1:])
+    out["gram_out"] = gram_similarity_out(stack[:-1], stack[1:])
+    out["v_idx"] = abs_cos(a.V.mT, b.V.mT)  # (L-1, k)
+    out["u_idx"] = abs_cos(a.U.mT, b.U.mT)  # (L-1, k)
+    return out
 
 
-def baselines(m: int, n: int) -> dict[str, float]:
-    """Random-matrix baselines of v1 (input dim n) and u1 (output dim m)."""
-    return {"v1_baseline": _mean_abs_cos(n), "u1_baseline": _mean_abs_cos(m)}
+def baselines(m: int, n: int, k: int) -> dict[str, float]:
+    """The analyzer's random-matrix baselines for a pair of (m, n) matrices, keys ``<metric>_baseline``."""
+    return {f"{key}_baseline": value for key, value in analytic_baselines((m, n), k=k).items()}

@@ -19,10 +19,12 @@ On each stack, with ``A = M_l``, ``B = M_{l+1}`` and top singular triplets
 - ``v1 = |<v_1(A), v_1(B)>|`` (input space), ``u1 = |<u_1(A), u_1(B)>|`` (output space);
 - ``v_idx[i] = |<v_i(A), v_i(B)>|`` for ``i < k`` (is continuity concentrated in
   the top direction or spread over several?), ``u_idx`` likewise;
-- the spectrum-weighted index-matched alignment and the σ²-weighted Gram
-  similarity (input ``<AᵀA, BᵀB>_F / (||AᵀA||_F ||BᵀB||_F)``, output with
-  ``AAᵀ``) of the analyzer (:mod:`flowgeom.continuity.spectra`);
-- the random-matrix baselines for the same shapes.
+- the analyzer's top-k subspace alignment (``subspace_in/out``), index-matched
+  spectrum-weighted alignment ``Σ s_i s'_i |cos(v_i, v'_i)| / Σ s_i s'_i``
+  (``index_in/out``) and σ²-weighted Gram similarity (input
+  ``<AᵀA, BᵀB>_F / (||AᵀA||_F ||BᵀB||_F)``, output with ``AAᵀ``; ``gram_in/out``),
+  see :mod:`flowgeom.continuity.metrics`;
+- the analyzer's random-matrix baselines for the same shapes (``<metric>_baseline``).
 
 All metrics come from the analyzer's pure functions, called once per role and
 kind on the whole stack (batched randomised SVD, no Python loop over layers).
@@ -42,35 +44,29 @@ from flowgeom.errors import FlowgeomError
 KINDS = ("weight", "grad", "delta")
 
 
+SCALARS = ("v1", "u1", "subspace_in", "subspace_out", "index_in", "index_out", "gram_in", "gram_out")
+
+
 def stack_continuity(stack: torch.Tensor, *, k: int = 4, seed: int = 0) -> dict[str, Any]:
     """Adjacent-pair continuity of one stack ``(L, m, n)``, as plain numbers.
 
-    Returns ``{"v1", "u1", "sw_v", "sw_u", "gram_in", "gram_out"}`` (means over
-    the ``L-1`` adjacent pairs), ``"v1_pairs"``, ``"u1_pairs"`` (per pair) and
-    ``"v_idx"``, ``"u_idx"`` (mean ``|cos|`` of the i-th singular vectors,
-    ``i < k``). A zero stack (e.g. no gradient yet) gives NaNs, not errors.
+    Returns the analyzer's metrics :data:`SCALARS` (means over the ``L-1``
+    adjacent pairs), ``"v1_pairs"``, ``"u1_pairs"`` (per pair) and ``"v_idx"``,
+    ``"u_idx"`` (mean ``|cos|`` of the i-th singular vectors, ``i <= k``). A
+    zero or non-finite stack (no gradient yet, ΔW at step 0) gives NaNs.
     """
     if stack.ndim != 3 or stack.shape[0] < 2:
         raise FlowgeomError(f"continuity needs a stack (L, m, n) with L >= 2 layers, got {tuple(stack.shape)}")
     k = min(k, *stack.shape[-2:])
     if not bool(torch.isfinite(stack).all()) or float(stack.abs().amax()) == 0.0:
-        nan = float("nan")
-        L = stack.shape[0]
-        return {"v1": nan, "u1": nan, "sw_v": nan, "sw_u": nan, "gram_in": nan, "gram_out": nan,
-                "v1_pairs": [nan] * (L - 1), "u1_pairs": [nan] * (L - 1), "v_idx": [nan] * k, "u_idx": [nan] * k}
-    m = pm.pair_metrics(stack, k=k, seed=seed)  # tensors over the L-1 adjacent pairs
-    return {
-        "v1": float(m["v_idx"][:, 0].mean()),
-        "u1": float(m["u_idx"][:, 0].mean()),
-        "sw_v": float(m["sw_v"].mean()),
-        "sw_u": float(m["sw_u"].mean()),
-        "gram_in": float(m["gram_in"].mean()),
-        "gram_out": float(m["gram_out"].mean()),
-        "v1_pairs": m["v_idx"][:, 0].tolist(),
-        "u1_pairs": m["u_idx"][:, 0].tolist(),
-        "v_idx": m["v_idx"].mean(0).tolist(),
-        "u_idx": m["u_idx"].mean(0).tolist(),
-    }
+        nan, L = float("nan"), stack.shape[0]
+        return {**{key: nan for key in SCALARS}, "v1_pairs": [nan] * (L - 1), "u1_pairs": [nan] * (L - 1),
+                "v_idx": [nan] * k, "u_idx": [nan] * k}
+    m = pm.stack_pair_metrics(stack, k=k, seed=seed)  # tensors over the L-1 adjacent pairs
+    out: dict[str, Any] = {key: float(m[key].mean()) for key in SCALARS}
+    out.update(v1_pairs=m["v1"].tolist(), u1_pairs=m["u1"].tolist(),
+               v_idx=m["v_idx"].mean(0).tolist(), u_idx=m["u_idx"].mean(0).tolist())
+    return out
 
 
 def relative_update(w: torch.Tensor, w0: torch.Tensor) -> torch.Tensor:
@@ -89,7 +85,7 @@ class ContinuityTracker:
 
         {role: {"weight": {...}, "grad": {...}, "delta": {...},
                 "dw_ratio": mean_l ||ΔW_l||/||W_l(0)||, "dw_ratio_layers": [...],
-                "v1_baseline": ..., "u1_baseline": ...}}
+                "v1_baseline": ..., "u1_baseline": ..., "gram_in_baseline": ..., ...}}
 
     >>> tracker = ContinuityTracker({"hidden": model.hidden_weights()})   # doctest: +SKIP
     >>> loss.backward(); record = tracker.measure()                       # doctest: +SKIP
@@ -110,7 +106,8 @@ class ContinuityTracker:
         self.roles = {name: list(params) for name, params in roles.items()}
         self.k, self.seed, self.kinds = k, seed, tuple(kinds)
         self.w0 = {name: self._stack(params) for name, params in self.roles.items()}
-        self.baselines = {name: pm.baselines(w.shape[-2], w.shape[-1]) for name, w in self.w0.items()}
+        self.baselines = {name: pm.baselines(w.shape[-2], w.shape[-1], min(k, *w.shape[-2:]))
+                          for name, w in self.w0.items()}
 
     @staticmethod
     def _stack(params: Sequence[torch.Tensor]) -> torch.Tensor:

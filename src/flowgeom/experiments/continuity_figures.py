@@ -29,6 +29,11 @@ def _save(fig, path: str | Path) -> Path:
     return path
 
 
+def _positive(values: list[float]) -> list[float]:
+    """Values for a log axis: non-positive ones (ΔW = 0 at step 0) become NaN gaps."""
+    return [v if v > 0 else float("nan") for v in values]
+
+
 def plot_ablation_curves(runs: Mapping[str, Sequence[Mapping[str, Any]]], path: str | Path, *,
                          role: str = "hidden") -> Path:
     """Weight v1, gradient v1 and ||ΔW||/||W(0)|| against steps, one line per variant.
@@ -43,7 +48,7 @@ def plot_ablation_curves(runs: Mapping[str, Sequence[Mapping[str, Any]]], path: 
     for name, records in runs.items():
         for ax, (kind, metric, title) in zip(axes, panels):
             steps, values = series(records, role, kind, metric)
-            ax.plot(steps, values, label=name)
+            ax.plot(steps, _positive(values) if kind is None else values, label=name)
             ax.set_title(title)
             ax.set_xlabel("step")
         recs = [r for r in records if "continuity" in r]
@@ -72,7 +77,7 @@ def plot_roles(records: Sequence[Mapping[str, Any]], path: str | Path, *, roles:
     for role in roles:
         for ax, (kind, metric, title) in zip(axes, panels):
             steps, values = series(recs, role, kind, metric)
-            ax.plot(steps, values, label=role)
+            ax.plot(steps, _positive(values) if kind is None else values, label=role)
             ax.set_title(title)
             ax.set_xlabel("step")
     for ax in axes[:4]:

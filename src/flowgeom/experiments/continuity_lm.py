@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from flowgeom.errors import FlowgeomError, choice_error
-from flowgeom.experiments.continuity_loop import OPTIMIZERS, make_optimizer, train_tracked
+from flowgeom.experiments.continuity_loop import make_optimizer, train_tracked, validate_run
 from flowgeom.nn.lm import LMConfig, TinyLM
 from flowgeom.runs import RunFolder
 
@@ -71,15 +71,7 @@ class LMRunConfig:
     def __post_init__(self):
         if self.mlp not in LM_MLPS:
             raise choice_error("mlp", self.mlp, LM_MLPS)
-        if self.optimizer not in OPTIMIZERS:
-            raise choice_error("optimizer", self.optimizer, OPTIMIZERS)
-        if self.n_layers < 2:
-            raise FlowgeomError(f"n_layers must be >= 2 (continuity compares adjacent layers), got {self.n_layers}")
-        for name in ("d_model", "heads", "d_k", "d_hidden", "seq_len", "batch", "steps", "log_every", "ckpt_every", "k"):
-            if getattr(self, name) < 1:
-                raise FlowgeomError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise FlowgeomError(f"lr must be a positive number, got {self.lr}")
+        validate_run(self, positive=("d_model", "heads", "d_k", "d_hidden", "seq_len"), depth_field="n_layers")
 
     def model_config(self, vocab: int) -> LMConfig:
         return LMConfig(vocab=vocab, d_model=self.d_model, n_layers=self.n_layers, heads=self.heads, d_k=self.d_k,

@@ -28,10 +28,24 @@ import torch
 from torch import nn
 
 from flowgeom.continuity.dynamics import ContinuityTracker
-from flowgeom.errors import choice_error
+from flowgeom.errors import FlowgeomError, choice_error
 from flowgeom.runs import RunFolder
 
 OPTIMIZERS = ("sgd", "adam", "adam_b2_0")
+
+
+def validate_run(cfg: Any, *, positive: Sequence[str], depth_field: str) -> None:
+    """Checks shared by the run configs: optimiser name, fields >= 1, >= 2 layers, a finite positive lr."""
+    if cfg.optimizer not in OPTIMIZERS:
+        raise choice_error("optimizer", cfg.optimizer, OPTIMIZERS)
+    for name in (*positive, "steps", "batch", "log_every", "ckpt_every", "k"):
+        if getattr(cfg, name) < 1:
+            raise FlowgeomError(f"{name} must be >= 1, got {getattr(cfg, name)}")
+    if getattr(cfg, depth_field) < 2:
+        raise FlowgeomError(
+            f"{depth_field} must be >= 2 (continuity compares adjacent layers), got {getattr(cfg, depth_field)}")
+    if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
+        raise FlowgeomError(f"lr must be a positive number, got {cfg.lr}")
 
 
 def make_optimizer(name: str, params, *, lr: float) -> torch.optim.Optimizer:

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from flowgeom.errors import FlowgeomError, choice_error
-from flowgeom.experiments.continuity_loop import OPTIMIZERS, log_progress, make_optimizer, train_tracked
+from flowgeom.experiments.continuity_loop import log_progress, make_optimizer, train_tracked, validate_run
 from flowgeom.nn.resmlp import ACTIVATIONS, ResMLP, ResMLPConfig
 from flowgeom.runs import RunFolder
 
@@ -103,15 +103,7 @@ class MLPRunConfig:
     def __post_init__(self):
         if self.activation not in ACTIVATIONS:
             raise choice_error("activation", self.activation, ACTIVATIONS)
-        if self.optimizer not in OPTIMIZERS:
-            raise choice_error("optimizer", self.optimizer, OPTIMIZERS)
-        for name in ("width", "steps", "batch", "log_every", "ckpt_every", "k"):
-            if getattr(self, name) < 1:
-                raise FlowgeomError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.depth < 2:
-            raise FlowgeomError(f"depth must be >= 2 (continuity compares adjacent layers), got {self.depth}")
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise FlowgeomError(f"lr must be a positive number, got {self.lr}")
+        validate_run(self, positive=("width",), depth_field="depth")
 
     def model_config(self) -> ResMLPConfig:
         return ResMLPConfig(width=self.width, depth=self.depth, residual=self.residual, activation=self.activation,
