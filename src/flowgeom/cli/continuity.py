@@ -1,9 +1,142 @@
-"""`flowgeom continuity ...` (not implemented yet)."""
+"""`flowgeom continuity ...`: cross-layer singular-vector alignment of checkpoints.
+
+Verbs are added by small ``add_<verb>(verbs)`` functions called from
+:func:`register`; a later verb (e.g. ``train`` for gradient-coherence
+dynamics) adds its own ``add_train`` in its module and one call in
+``register``.
+"""
 
 from __future__ import annotations
 
-from flowgeom.cli._common import area
+import argparse
+import sys
+from pathlib import Path
+
+from flowgeom.cli._common import add_device, add_json, add_seed, area, command, console, print_json, resolve_device
+from flowgeom.errors import FlowgeomError
+
+TABLE_METRICS = (("v1", "v1"), ("u1", "u1"), ("subspace_in", "sub in"), ("subspace_out", "sub out"),
+                 ("gram_in", "gram in"), ("gram_out", "gram out"))
+
+
+def _distances(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--distance takes integers like 1 or 1,2,4; got {text!r}") from None
+    return values
+
+
+def _progress(enabled: bool):
+    """A rich progress bar on stderr (only on a terminal), as an ``analyze`` progress callback."""
+    if not enabled or not sys.stderr.isatty():
+        return None, None
+    from rich.console import Console
+    from rich.progress import Progress
+
+    bar = Progress(console=Console(stderr=True), transient=True)
+    tasks: dict[str, int] = {}
+
+    def update(role: str, done: int, total: int) -> None:
+        if role not in tasks:
+            tasks[role] = bar.add_task(f"role {role}", total=total)
+        bar.update(tasks[role], completed=done)
+
+    return bar, update
+
+
+def print_report(report: dict) -> None:
+    """Roles x metrics table: mean ± std over pairs, baseline, ratio; then the verdicts."""
+    from rich.table import Table
+
+    cfg = report["config"]
+    table = Table(title=f"{report['source']} ({report['scheme']} naming, {report['layers']} layers, "
+                        f"distance {cfg['distances'][0]}, k={cfg['k']}, {cfg['baseline']} baseline)")
+    table.add_column("role")
+    table.add_column("shape")
+    for _, label in TABLE_METRICS:
+        table.add_column(label + "  mean±sd (base, ×)", justify="right")
+    table.add_column("verdict")
+    for role, r in report["roles"].items():
+        cells = []
+        for key, _ in TABLE_METRICS:
+            m = r["metrics"][key]
+            cells.append(f"{m['mean']:.3f}±{m['std']:.3f} ({m['baseline']:.3f}, {m['ratio']:.1f}×)")
+        table.add_row(role, "×".join(map(str, r["shape"])), *cells, r["verdict"])
+    out = console()
+    out.print(table)
+    out.print(f"verdict: ratio of mean |cos| to its random baseline >= {cfg['threshold']} "
+              "(v1 -> input-continuous, u1 -> output-continuous)")
+    low = [f"{role} (min gap {r['min_gap']:.1e})" for role, r in report["roles"].items() if r["min_gap"] < 1e-3]
+    if low:
+        out.print("near-degenerate sigma_1 ~ sigma_2 in: " + ", ".join(low) + "; their v1/u1 are unstable, "
+                  "read the subspace columns")
+
+
+def run_analyze(args: argparse.Namespace) -> int:
+    from flowgeom.continuity import AnalyzeConfig, analyze
+    from flowgeom.continuity.figure import figure_format, heatmap_bytes
+    from flowgeom.continuity.naming import parse_role_option
+    from flowgeom.runs import atomic_write_bytes, atomic_write_json
+
+    device = resolve_device(args.device)
+    fmt = figure_format(args.figure) if args.figure else None
+    custom = dict(parse_role_option(text) for text in args.role) if args.role else None
+    config = AnalyzeConfig(
+        k=args.k, distances=args.distance, roles=tuple(args.roles.split(",")) if args.roles else None,
+        max_layers=args.max_layers, device=str(device), dtype=args.dtype, baseline=args.baseline,
+        draws=args.draws, seed=args.seed, batch=args.batch, threshold=args.threshold,
+    )
+    bar, update = _progress(not args.json)
+    if bar is not None:
+        with bar:
+            report = analyze(args.source, config, custom_roles=custom, progress=update)
+    else:
+        report = analyze(args.source, config, custom_roles=custom)
+    # Everything validated and computed: only now write outputs (atomically).
+    figure = heatmap_bytes(report, fmt=fmt) if fmt else None
+    if args.out:
+        atomic_write_json(Path(args.out), report)
+    if figure is not None:
+        atomic_write_bytes(Path(args.figure), figure)
+    if args.json:
+        print_json(report)
+    else:
+        print_report(report)
+    return 0
+
+
+def add_analyze(verbs) -> None:
+    p = command(
+        verbs, "analyze", help="cross-layer singular-vector alignment of every projection of a checkpoint",
+        example="flowgeom continuity analyze builtin:smollm2 --figure smollm2.png\n"
+                "flowgeom continuity analyze path/to/hf_folder --json --out report.json\n"
+                "flowgeom continuity analyze ckpt.safetensors --role 'wq=blocks\\.(\\d+)\\.wq\\.weight'",
+        func=run_analyze,
+    )
+    p.add_argument("source", help="nn checkpoint: .safetensors, model.safetensors.index.json, .gguf, a model folder, "
+                                  "builtin:smollm2 or builtin:minilm")
+    add_json(p)
+    add_device(p)
+    add_seed(p)
+    p.add_argument("--figure", metavar="FILE", help="write a roles x layer-pairs heatmap (.png/.pdf/.svg)")
+    p.add_argument("--out", metavar="FILE", help="also write the JSON report to FILE (atomically)")
+    p.add_argument("--role", action="append", metavar="NAME=REGEX",
+                   help="custom role: regex over tensor names with a (\\d+) layer group; repeat per role")
+    p.add_argument("--roles", metavar="LIST", help="only these roles, comma-separated (e.g. q,k,down)")
+    p.add_argument("--k", type=int, default=8, help="top-k singular pairs for subspace/index metrics (default 8)")
+    p.add_argument("--distance", type=_distances, default=(1,), metavar="D[,D...]",
+                   help="layer distances (default 1 = adjacent); the first drives table and verdict")
+    p.add_argument("--max-layers", type=int, metavar="N", help="only the first N layers of each role")
+    p.add_argument("--dtype", default="float64", choices=("float64", "float32"), help="compute dtype (default float64)")
+    p.add_argument("--baseline", default="analytic", choices=("analytic", "montecarlo"),
+                   help="random-matrix baseline: closed form (default) or Gaussian draws of the same shapes")
+    p.add_argument("--draws", type=int, default=8, help="Monte-Carlo draws (default 8)")
+    p.add_argument("--batch", type=int, default=1, help="layers stacked per batched call (default 1 = least memory)")
+    p.add_argument("--threshold", type=float, default=3.0, help="ratio to baseline that counts as continuous (default 3)")
 
 
 def register(sub) -> None:
-    area(sub, "continuity", "continuity commands (not implemented yet)")
+    verbs = area(sub, "continuity", "geometric continuity: cross-layer alignment of singular vectors (seed 001)")
+    add_analyze(verbs)
+    # add_train(verbs)  # gradient-coherence dynamics, another module (continuity/dynamics.py)

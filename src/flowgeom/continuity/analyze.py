@@ -1,0 +1,222 @@
+"""The checkpoint continuity analyzer: every role, every layer pair, streamed.
+
+For each role (q k v o gate up down, or ``--role`` patterns) the layers are
+read one at a time (``batch`` at a time when asked) in layer order. Per
+layer we keep only small things — the top-k singular pairs and the
+small-side Gram — plus the raw matrices of the last ``max(distances)``
+layers, which the cross products of the Gram similarity need. Peak memory is
+therefore about ``batch + max(distances)`` matrices of one role (two for the
+defaults), never the model.
+
+Verdict rule (per role, on the adjacent pairs = the first distance):
+``r_in = mean v1 / baseline_v1``, ``r_out = mean u1 / baseline_u1``;
+``input-continuous`` if ``r_in >= threshold`` and ``r_out < threshold``,
+``output-continuous`` in the mirror case, ``input+output-continuous`` if both,
+``neither`` otherwise. The default threshold 3 is far outside chance: the
+mean over L-1 random pairs of |cos| has relative spread ~0.75/sqrt(L-1).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from flowgeom.continuity.baselines import METRICS, analytic_baselines, monte_carlo_baselines
+from flowgeom.continuity.metrics import gram_fro, gram_numerator, pair_metrics
+from flowgeom.continuity.naming import MatrixRef, resolve_roles
+from flowgeom.continuity.sources import TensorSource, open_source
+from flowgeom.continuity.spectra import pairs_from_gram, small_gram
+from flowgeom.errors import FlowgeomError, choice_error
+
+DTYPES = {"float64": torch.float64, "float32": torch.float32}
+BASELINES = ("analytic", "montecarlo")
+
+
+@dataclass(frozen=True)
+class AnalyzeConfig:
+    k: int = 8  # top-k singular pairs: subspace and index-matched metrics (v1/u1 use the first)
+    distances: tuple[int, ...] = (1,)  # layer distances Δ; the first one drives table and verdict
+    roles: tuple[str, ...] | None = None  # subset of roles (default: all found)
+    max_layers: int | None = None  # analyse only the first N layers of each role
+    device: str = "cpu"
+    dtype: str = "float64"  # compute dtype of the Grams and cross products
+    baseline: str = "analytic"  # or "montecarlo" (Gaussian draws of the same shapes)
+    draws: int = 8  # Monte-Carlo draws
+    seed: int = 0
+    batch: int = 1  # layers stacked per batched call (memory ~ batch + max distance matrices)
+    threshold: float = 3.0  # verdict: ratio to baseline counted as continuous
+    tol: float = 1e-10  # Krylov residual tolerance (relative to sigma_1^2)
+
+    def __post_init__(self):
+        for name in ("k", "batch", "draws"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise FlowgeomError(f"--{name} must be a positive integer, got {value!r}")
+        if not self.distances or any(not isinstance(d, int) or d < 1 for d in self.distances):
+            raise FlowgeomError(f"--distance must be positive integers, got {list(self.distances)}")
+        if self.max_layers is not None and self.max_layers < 2:
+            raise FlowgeomError(f"--max-layers must be >= 2 (pairs need two layers), got {self.max_layers}")
+        if self.dtype not in DTYPES:
+            raise choice_error("dtype", self.dtype, DTYPES)
+        if self.baseline not in BASELINES:
+            raise choice_error("baseline", self.baseline, BASELINES)
+        if not self.threshold > 1:
+            raise FlowgeomError(f"--threshold must be > 1 (a ratio to chance), got {self.threshold}")
+
+
+def verdict(r_in: float | None, r_out: float | None, threshold: float) -> str:
+    """Verdict from the v1 and u1 ratios to baseline (see module docstring)."""
+    inp = r_in is not None and r_in >= threshold
+    out = r_out is not None and r_out >= threshold
+    return {(True, True): "input+output-continuous", (True, False): "input-continuous",
+            (False, True): "output-continuous", (False, False): "neither"}[(inp, out)]
+
+
+@dataclass
+class _LayerState:
+    layer: int
+    matrix: torch.Tensor  # (m, n) compute dtype, on device
+    gram: torch.Tensor  # small-side Gram
+    fro: torch.Tensor  # ||A^T A||_F
+    pairs: object  # SingularPairs of this matrix
+
+
+@dataclass
+class _RoleRun:
+    refs: list[MatrixRef]
+    pairs: list[dict] = field(default_factory=list)
+    spectra: list[dict] = field(default_factory=list)
+
+
+def _stats(values: Sequence[float]) -> dict[str, float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    std = float(t.std()) if len(values) > 1 else 0.0
+    return {"mean": float(t.mean()), "std": std, "min": float(t.min()), "max": float(t.max())}
+
+
+class Analyzer:
+    """Streams one role at a time; see module docstring. Use :func:`analyze`."""
+
+    def __init__(self, source: TensorSource, config: AnalyzeConfig, custom: Mapping[str, str] | None = None):
+        self.source, self.config = source, config
+        self.layout = resolve_roles(source.shapes, custom=custom, only=config.roles)
+        self.device = torch.device(config.device)
+        self.dtype = DTYPES[config.dtype]
+        for role, refs in self.layout.roles.items():
+            refs = refs[: config.max_layers] if config.max_layers else refs
+            self.layout.roles[role] = refs
+            m, n = refs[0].shape
+            if config.k > min(m, n):
+                raise FlowgeomError(f"--k {config.k} exceeds the rank bound {min(m, n)} of role {role} {[m, n]}; lower --k")
+            if min(config.distances) >= len(refs):
+                raise FlowgeomError(f"--distance {min(config.distances)} leaves no pair among the {len(refs)} layers "
+                                    f"of role {role}; use a distance below {len(refs)}")
+
+    def _load(self, ref: MatrixRef) -> torch.Tensor:
+        t = ref.extract(self.source.load(ref.tensor))
+        return t.to(device=self.device, dtype=self.dtype)  # (m, n)
+
+    def _layer_states(self, refs: list[MatrixRef]) -> list[_LayerState]:
+        mats = torch.stack([self._load(r) for r in refs])  # (B, m, n)
+        grams, side = small_gram(mats)
+        pairs = pairs_from_gram(mats, grams, side, self.config.k, tol=self.config.tol, seed=self.config.seed)
+        fros = gram_fro(mats, grams)
+        self._side = side
+        return [_LayerState(r.layer, mats[i], grams[i], fros[i], pairs[i]) for i, r in enumerate(refs)]
+
+    def _pair(self, a: _LayerState, b: _LayerState, d: int) -> dict:
+        rec = {"a": a.layer, "b": b.layer, "distance": d}
+        vals = pair_metrics(a.pairs, b.pairs)
+        for space in ("in", "out"):
+            num = gram_numerator(a.matrix, b.matrix, space, gram_a=a.gram, gram_b=b.gram, side=self._side)
+            vals[f"gram_{space}"] = num / (a.fro * b.fro)
+        rec.update({key: float(vals[key]) for key in METRICS})
+        gap_a, gap_b = float(a.pairs.gap), float(b.pairs.gap)
+        rec.update(gap_a=gap_a, gap_b=gap_b)
+        return rec
+
+    def run_role(self, role: str, progress: Callable[[int], None] | None = None) -> _RoleRun:
+        refs = self.layout.roles[role]
+        run, window = _RoleRun(refs), []
+        keep = max(self.config.distances)
+        for start in range(0, len(refs), self.config.batch):
+            states = self._layer_states(refs[start:start + self.config.batch])
+            for st in states:
+                for d in self.config.distances:
+                    partner = next((w for w in window if w.layer == st.layer - d), None)
+                    if partner is not None:
+                        run.pairs.append(self._pair(partner, st, d))
+                run.spectra.append({"layer": st.layer, "sigma": st.pairs.S.tolist(), "gap": float(st.pairs.gap),
+                                    "residual": float(st.pairs.residual), "krylov_depth": st.pairs.iters})
+                window = (window + [st])[-keep:]
+                if progress:
+                    progress(1)
+        return run
+
+    def baselines(self, shape: tuple[int, int]) -> tuple[dict[str, float], dict[str, float]]:
+        if self.config.baseline == "analytic":
+            return analytic_baselines(shape, k=self.config.k), {}
+        mc = monte_carlo_baselines(shape, k=self.config.k, draws=self.config.draws, seed=self.config.seed,
+                                   device=self.device)
+        return {key: v[0] for key, v in mc.items()}, {key: v[1] for key, v in mc.items()}
+
+    def summarise(self, role: str, run: _RoleRun) -> dict:
+        shape = run.refs[0].shape
+        base, base_std = self.baselines(shape)
+        first = self.config.distances[0]
+        metrics = {}
+        for key in METRICS:
+            st = _stats([p[key] for p in run.pairs if p["distance"] == first])
+            st.update(baseline=base[key], ratio=st["mean"] / base[key])
+            if key in base_std:
+                st["baseline_std"] = base_std[key]
+            metrics[key] = st
+        by_distance = {str(d): {key: _stats([p[key] for p in run.pairs if p["distance"] == d])["mean"]
+                                for key in METRICS} for d in self.config.distances}
+        r_in, r_out = metrics["v1"]["ratio"], metrics["u1"]["ratio"]
+        return {
+            "shape": list(shape), "layers": [r.layer for r in run.refs], "tensors": [r.tensor for r in run.refs],
+            "v1": metrics["v1"]["mean"], "u1": metrics["u1"]["mean"],
+            "v1_std": metrics["v1"]["std"], "u1_std": metrics["u1"]["std"],
+            "v1_baseline": base["v1"], "u1_baseline": base["u1"], "v1_ratio": r_in, "u1_ratio": r_out,
+            "verdict": verdict(r_in, r_out, self.config.threshold),
+            "min_gap": min(s["gap"] for s in run.spectra),
+            "metrics": metrics, "by_distance": by_distance, "pairs": run.pairs, "spectra": run.spectra,
+        }
+
+
+def analyze(source, config: AnalyzeConfig | None = None, *, custom_roles: Mapping[str, str] | None = None,
+            progress: Callable[[str, int, int], None] | None = None) -> dict:
+    """Analyse ``source`` (module, mapping, path, ``builtin:…``); returns the JSON-ready report.
+
+    ``progress(role, done, total)`` is called after every layer. The report
+    holds ``{"source", "scheme", "layers", "config", "roles": {ROLE: {"v1", "u1",
+    "v1_baseline", "u1_baseline", "verdict", "metrics", "pairs", …}}, "seconds"}``.
+    """
+    config = config or AnalyzeConfig()
+    src = open_source(source)
+    analyzer = Analyzer(src, config, custom_roles)
+    t0 = time.perf_counter()
+    roles = {}
+    for role, refs in analyzer.layout.roles.items():
+        done = [0]
+
+        def tick(n: int, role=role, refs=refs, done=done) -> None:
+            done[0] += n
+            if progress:
+                progress(role, done[0], len(refs))
+
+        roles[role] = analyzer.summarise(role, analyzer.run_role(role, tick))
+    if analyzer.device.type == "cuda":
+        torch.cuda.synchronize()
+    return {
+        "source": getattr(src, "label", str(source)) if not isinstance(source, (str, bytes)) else str(source),
+        "scheme": analyzer.layout.scheme,
+        "layers": max(len(refs) for refs in analyzer.layout.roles.values()),
+        "config": asdict(config),
+        "roles": roles,
+        "seconds": time.perf_counter() - t0,
+    }
