@@ -83,3 +83,13 @@ def test_probe_rejects_bad_options_and_plots(tmp_path):
     plot(report, tmp_path / "v.png")
     assert (tmp_path / "v.png").stat().st_size > 1000
     assert math.isfinite(report.paths[0].villani[-1])
+
+
+@pytest.mark.parametrize("reg,lam,expected", [("log", 1e-3, "holds"), ("log", 1e-4, "inconclusive")])
+def test_extension_past_r_max(reg, lam, expected):
+    """Tiny λ: Q < 0 at r_max on the LoRA orbit; the far pass finds the log term winning (or still catching up)."""
+    obj = objective("lora").with_regularizer(Regularizer(reg, lam=lam))
+    report = probe(obj, rays=1, points=8)
+    orbit = report.paths[-1]
+    assert orbit.extended and orbit.verdict == expected, orbit.reason
+    assert max(orbit.radius) > 1e29

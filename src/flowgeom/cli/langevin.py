@@ -38,7 +38,7 @@ def run_villani(args: argparse.Namespace) -> int:
     for i, p in enumerate(report.paths):
         mid = len(p.radius) // 2
         out.print(f"  {p.kind:5s} {i}: r {p.radius[mid]:.3g}→{p.radius[-1]:.3g}  V {p.value[mid]:.4g}→{p.value[-1]:.4g}  "
-                  f"Q {p.villani[mid]:.4g}→{p.villani[-1]:.4g}  confining={p.confining} Q-grows={p.q_grows} → {p.verdict}")
+                  f"Q {p.villani[mid]:.4g}→{p.villani[-1]:.4g}  → {p.verdict} ({p.reason}{', extended' if p.extended else ''})")
     if report.orbit_integral:
         integral = report.orbit_integral
         out.print(f"  ∫exp(−2V/s) along the orbit: I(T)={', '.join(f'{x:.3g}' for x in integral['I'])} "

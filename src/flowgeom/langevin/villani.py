@@ -17,20 +17,26 @@ error of the mean) along
 * random rays ``θ_0 + r u`` (``u`` uniform on the sphere, ``r`` on a
   geometric grid up to ``r_max``), and
 * the symmetry orbit ``M_t θ_0`` (``M_t = diag(e^t, e^{-t}, 1…)``, ``t`` up
-  to ``log r_max``), where an unregularised attention/LoRA loss is constant.
+  to ``log r_max``, so ``‖M_t θ_0‖ ≈ e^t``), where an unregularised
+  attention/LoRA loss is constant.
 
 **Verdict rule.** On each path compare the mid point (``m``, first point of
 the far half) with the end point (``e``):
 
-* confining: ``V_e − V_m > 1 + |V_m|``;
-* ``Q`` grows: ``Q_e > 0`` and ``Q_e > 4 |Q_m|`` (and ``|Q_e| > 3σ_e`` with
-  Hutchinson);
-* ``Q`` bounded: ``Q_e ≤ 1.5 |Q_m| + 3σ_e``.
+* not confining (``V_e − V_m ≤ 1 + |V_m|``) → *fails* (V bounded);
+* ``Q`` grows (``Q_e > 0``, ``Q_e > 4|Q_m|``, ``|Q_e| > 3σ_e`` with
+  Hutchinson) → *holds*;
+* ``Q_e ≥ 0`` but not growing (``‖x‖``: ``Q → 1/s``) → *fails*;
+* ``Q_e < 0``: the regulariser has not yet overtaken the loss's own
+  curvature (along the LoRA orbit ``ΔV₀ ∼ r²``). The path is probed again
+  from ``r_max`` to ``r_ext`` (1e30, float64 is fine there) and judged by
+  the same rule; if ``Q`` is still negative, it *fails* when ``Q/r²`` has
+  stopped rising (``Q ≈ −c r²``: quadratic confinement, e.g. weight decay, too
+  weak for this ``s``) and is *inconclusive* when ``Q/r²`` still rises (a
+  super-quadratic term, e.g. ``λ n log n`` with tiny λ, may win further out).
 
-A path *fails* if it is not confining or ``Q`` is bounded, *holds* if it
-is confining and ``Q`` grows, else it is *inconclusive*. The overall verdict
-is ``fails`` if any path fails, ``holds`` if all hold, else
-``inconclusive``. On ``‖x‖²`` (``Q = 4r²/s − 2D``) it holds; on ``‖x‖``
+The overall verdict is ``fails`` if any path fails, ``holds`` if all hold,
+else ``inconclusive``. On ``‖x‖²`` (``Q = 4r²/s − 2D``) it holds; on ``‖x‖``
 (``Q → 1/s``) it fails; on unregularised attention/LoRA it fails because ``V``
 is constant on the orbit.
 
@@ -42,6 +48,7 @@ saturates with a confining regulariser.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -106,21 +113,34 @@ class PathResult:
     q_grows: bool
     q_bounded: bool
     verdict: str
+    reason: str = ""
+    extended: bool = False  # re-probed out to ``r_ext`` because Q < 0 at r_max
 
 
-def judge(kind: str, radius: list[float], value: list[float], q: list[float], q_err: list[float]) -> PathResult:
-    """Apply the module's verdict rule to one path."""
+def judge(kind: str, radius: list[float], value: list[float], q: list[float], q_err: list[float], *,
+          extended: bool = False) -> PathResult:
+    """Apply the module's verdict rule to one path (``extended``: the second, far pass)."""
     mid, end = len(q) // 2, len(q) - 1
     confining = value[end] - value[mid] > 1 + abs(value[mid])
     q_grows = q[end] > 0 and q[end] > 4 * abs(q[mid]) and abs(q[end]) > 3 * q_err[end]
-    q_bounded = q[end] <= 1.5 * abs(q[mid]) + 3 * q_err[end]
-    if not confining or q_bounded:
-        verdict = "fails"
+    q_bounded = 0 <= q[end] <= 1.5 * abs(q[mid]) + 3 * q_err[end]
+    if not confining:
+        verdict, reason = "fails", "V stays bounded: not confining"
     elif q_grows:
-        verdict = "holds"
+        verdict, reason = "holds", "V and Q grow"
+    elif q_bounded or (q[end] >= 0 and not q_grows):
+        verdict, reason = "fails", "Q tends to a finite limit"
+    elif not extended:
+        verdict, reason = "inconclusive", "Q < 0 at the largest radius"
     else:
-        verdict = "inconclusive"
-    return PathResult(kind, radius, value, q, q_err, confining, q_grows, q_bounded, verdict)
+        # Q ≈ κ(r) r² with κ < 0: a super-quadratic term makes κ rise (log: ∝ log² r), a quadratic one does not
+        k_mid, k_end = q[mid] / radius[mid] ** 2, q[end] / radius[end] ** 2
+        noise = 3 * q_err[end] / radius[end] ** 2
+        if k_end - k_mid > 1e-3 * abs(k_mid) + noise:
+            verdict, reason = "inconclusive", f"Q < 0 out to r={radius[end]:.1e} but Q/r² still rising"
+        else:
+            verdict, reason = "fails", f"Q ≈ {k_end:.3g}·r² out to r={radius[end]:.1e}: the confinement loses to the curvature"
+    return PathResult(kind, radius, value, q, q_err, confining, q_grows, q_bounded, verdict, reason, extended)
 
 
 @dataclass(frozen=True)
@@ -159,35 +179,48 @@ def orbit_integral(obj: Objective, theta0: torch.Tensor, *, temperature: float, 
 
 
 def probe(obj: Objective, *, temperature: float = 1.0, rays: int = 3, r_max: float = 1e3, points: int = 12,
-          exact_max_dim: int = 200, probes: int = 64, seed: int = 0) -> VillaniReport:
+          exact_max_dim: int = 200, probes: int = 64, seed: int = 0, r_ext: float = 1e30) -> VillaniReport:
     """Run the Villani probe on ``obj`` (see the module docstring for the rule)."""
     if not (math.isfinite(temperature) and temperature > 0):
         raise FlowgeomError(f"temperature s must be > 0 for the Villani quantity, got {temperature!r}")
     if not (r_max > 10):
         raise FlowgeomError(f"r_max must be > 10 to probe behaviour at infinity, got {r_max!r}")
+    if not r_ext > r_max:
+        raise FlowgeomError(f"r_ext must exceed r_max, got r_ext={r_ext!r}, r_max={r_max!r}")
     if rays < 1 or points < 4:
         raise FlowgeomError("need rays >= 1 and points >= 4")
     g = torch.Generator().manual_seed(seed)
     exact = obj.dim <= exact_max_dim
     theta0 = torch.randn(obj.dim, generator=g, dtype=torch.float64)
-    radii = torch.logspace(0, math.log10(r_max), points, dtype=torch.float64)
 
-    def path(kind: str, thetas: list[torch.Tensor]) -> PathResult:
+    def measure(thetas: list[torch.Tensor]) -> tuple[list[float], ...]:
         ds = [derivatives(obj.flat, th, exact=exact, probes=probes, generator=g) for th in thetas]
-        return judge(kind, [float(th.norm()) for th in thetas], [d.value for d in ds],
-                     [d.villani(temperature) for d in ds], [d.laplacian_err for d in ds])
+        rows = [(float(th.norm()), d.value, d.villani(temperature), d.laplacian_err) for th, d in zip(thetas, ds)]
+        rows = [r for r in rows if all(math.isfinite(x) for x in r)]  # float64 overflow far out (large ε)
+        return tuple(list(col) for col in zip(*rows)) if rows else ([], [], [], [])
+
+    def path(kind: str, at) -> PathResult:
+        """``at(x)`` is the point at log-radius ``x``; probe [0, log r_max], then out to log r_ext if Q < 0."""
+        near = measure([at(float(x)) for x in torch.linspace(0, math.log(r_max), points, dtype=torch.float64)])
+        result = judge(kind, *near)
+        if result.verdict != "inconclusive":
+            return result
+        far = measure([at(float(x)) for x in torch.linspace(math.log(r_max), math.log(r_ext), points, dtype=torch.float64)])
+        if len(far[0]) < 4:
+            return result
+        second = judge(kind, *far, extended=True)
+        return dataclasses.replace(second, radius=near[0] + far[0], value=near[1] + far[1],
+                                   villani=near[2] + far[2], villani_err=near[3] + far[3])
 
     paths = []
     for _ in range(rays):
         u = torch.randn(obj.dim, generator=g, dtype=torch.float64)
         u = u / u.norm()
-        paths.append(path("ray", [theta0 + r * u for r in radii]))
+        paths.append(path("ray", lambda x, u=u: theta0 + math.exp(x) * u))
     integral = None
     if obj.orbit_fn is not None:
-        t_max = math.log(r_max)
-        ts = torch.linspace(0, t_max, points, dtype=torch.float64)
-        paths.append(path("orbit", [obj.orbit(theta0, float(t)) for t in ts]))
-        integral = orbit_integral(obj, theta0, temperature=temperature, t_max=t_max)
+        paths.append(path("orbit", lambda x: obj.orbit(theta0, x)))
+        integral = orbit_integral(obj, theta0, temperature=temperature, t_max=math.log(r_max))
     verdicts = [p.verdict for p in paths]
     overall = "fails" if "fails" in verdicts else "holds" if all(v == "holds" for v in verdicts) else "inconclusive"
     return VillaniReport(obj.name, obj.regularizer.kind, temperature, obj.dim, exact, overall, paths, integral)
