@@ -1,6 +1,16 @@
-"""Conservation laws of gradient flow: closed-form catalogue and independent check."""
+"""Conservation laws of gradient flow.
+
+- :func:`catalogue`, :func:`laws_of`, :func:`expected_count`: closed-form laws of the zoo;
+- :func:`check`, :func:`flow_rate`: independent verification by orthogonality;
+- :class:`ConservationMonitor`, :func:`locate`: drift of real training from the laws.
+"""
 
 from flowgeom.laws.catalogue import CatalogueEntry, Law, catalogue, expected_count, laws_of
 from flowgeom.laws.check import CheckReport, check, flow_rate
+from flowgeom.laws.locate import locate
+from flowgeom.laws.monitor import ConservationMonitor, homogeneity_degree, is_plain_sgd, warn_plain_gd_only
 
-__all__ = ["CatalogueEntry", "CheckReport", "Law", "catalogue", "check", "expected_count", "flow_rate", "laws_of"]
+__all__ = [
+    "CatalogueEntry", "CheckReport", "ConservationMonitor", "Law", "catalogue", "check", "expected_count",
+    "flow_rate", "homogeneity_degree", "is_plain_sgd", "laws_of", "locate", "warn_plain_gd_only",
+]
