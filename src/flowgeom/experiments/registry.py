@@ -38,7 +38,7 @@ import itertools
 import json
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,7 @@ from flowgeom.errors import FlowgeomError, choice_error
 from flowgeom.runs import RunFolder, to_json
 
 AREAS = ("laws", "conservation", "continuity", "langevin")
+AREA_SEED = {"laws": "000", "conservation": "000", "continuity": "001", "langevin": "004"}
 SCALES = ("quick", "full")
 VERDICTS = ("reproduced", "not reproduced", "differs", "not run")
 SEEDS = {
@@ -119,7 +120,6 @@ class Claim:
     run: RunFn | None = None
     verdict: Callable[[Sequence[RunRecord], Path], Verdict] = _no_verdict
     unavailable: str = ""
-    extra: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.area not in AREAS:
@@ -188,7 +188,7 @@ def load_claims(areas: Sequence[str]) -> list[Claim]:
             found = list(module.claims())
         except Exception as exc:  # noqa: BLE001 - any adapter failure becomes a "not run" line
             found = unavailable(area, f"adapter failed to load: {type(exc).__name__}: {exc}",
-                                [(f"{area}.adapter", _AREA_SEED[area], f"every claim of the {area} area")])
+                                [(f"{area}.adapter", AREA_SEED[area], f"every claim of the {area} area")])
         out.extend(found)
     ids = [c.id for c in out]
     dupes = sorted({i for i in ids if ids.count(i) > 1})
@@ -207,5 +207,3 @@ def select(claims: Sequence[Claim], only: Sequence[str] | None) -> list[Claim]:
             raise choice_error("claim", cid, sorted(known))
     return [c for c in claims if c.id in set(only)]
 
-
-_AREA_SEED = {"laws": "000", "conservation": "000", "continuity": "001", "langevin": "004"}
