@@ -117,3 +117,14 @@ def test_adam_beta2_zero_steps_are_sign_like():
     p.grad = torch.tensor([1e-3, -5.0, 2.0])
     opt.step()
     assert torch.allclose(p.detach(), torch.tensor([-0.1, 0.1, -0.1]), atol=1e-4)
+
+
+@pytest.mark.slow
+def test_quick_demo_contract(tmp_path):
+    from flowgeom.experiments.continuity_mlp import quick_demo
+
+    small = {k: TINY[k] for k in ("width", "depth", "train_limit", "test_limit", "batch")}
+    result = quick_demo(tmp_path, steps=2, log_every=1, **small)
+    assert [r["variant"] for r in result["rows"]] == list(CORE)
+    assert (tmp_path / "continuity_ablation.png").stat().st_size > 1000
+    assert "Res+Radial" in result["table"] and result["seed_claims"]["NoRes"]
