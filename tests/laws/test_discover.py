@@ -80,24 +80,22 @@ def test_linear2_gram_entries_and_moe_router_sums():
     assert any("products of linear laws" in n for n in moe.notes)
 
 
-class Product(nn.Module):
-    """f(x) = u·v·x: the planted law u² − v²."""
+class Triple(nn.Module):
+    """f(x) = u·v·w·x with scalars: the planted laws u² − v², u² − w² (rescalings keeping uvw)."""
 
     def __init__(self):
         super().__init__()
-        self.u = nn.Parameter(torch.tensor(0.7))
-        self.v = nn.Parameter(torch.tensor(-1.3))
+        self.u, self.v, self.w = (nn.Parameter(torch.tensor(s)) for s in (0.7, -1.3, 0.4))
 
     def forward(self, x):
-        return self.u * self.v * x
+        return self.u * self.v * self.w * x
 
 
-def test_planted_scalar_law_and_evaluate():
-    res = discover(Product(), shape_sampler((2,)))
-    assert len(res.laws) == 1
-    law = res.laws[0]
-    theta = torch.tensor([0.3, 2.0], dtype=torch.float64)
-    assert torch.isclose(law.evaluate(theta), torch.tensor(0.09 - 4.0, dtype=torch.float64))
+def test_planted_scalar_laws_and_evaluate():
+    res = discover(Triple(), shape_sampler((2,)))
+    assert [law.formula for law in res.laws] == ["u² − w²", "v² − w²"]
+    theta = torch.tensor([0.3, 2.0, 1.0], dtype=torch.float64)
+    assert torch.isclose(res.laws[1].evaluate(theta), torch.tensor(3.0, dtype=torch.float64))
     assert res.expected is None
 
 

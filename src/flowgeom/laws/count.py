@@ -115,16 +115,24 @@ class SpanTracker:
 
     def _add_basis(self, v: torch.Tensor) -> int:
         resid = self._project(v)  # (b, D)
-        q, r = torch.linalg.qr(resid.T)  # (D, b), (b, b)
-        u, sigma, _ = torch.linalg.svd(r)
+        q, r = torch.linalg.qr(resid.T)  # (D, m), (m, b), m = min(D, b)
+        sigma = torch.linalg.svdvals(r)  # accurate σ, descending
         keep = self._record(sigma)
-        new = (q @ u[:, keep]).T  # (a, D) orthonormal, ⊥ basis up to rounding
-        if new.shape[0] == 0:
+        a = int(keep.sum())
+        if a == 0:
             return 0
-        if sigma[keep].min() < 1e-3:  # small σ: rounding is amplified, re-orthogonalise
+        if sigma[a - 1] < 1e-6:  # a weak direction kept: full SVD for its singular vector
+            u = torch.linalg.svd(r)[0][:, :a]
+        else:
+            # Right singular vectors from eigh(rᵀr) (fast), left ones as r·w: errors of w along
+            # near-null directions are multiplied by their tiny σ, so span(r·w) is accurate.
+            w = torch.linalg.eigh(r.T @ r)[1][:, -a:]  # (b, a)
+            u = torch.linalg.qr(r @ w)[0]  # (m, a)
+        new = (q @ u).T  # (a, D) orthonormal, ⊥ basis up to rounding
+        if sigma[a - 1] < 1e-3:  # small σ: rounding is amplified, re-orthogonalise
             new = torch.linalg.qr(self._project(new).T)[0].T
         self.basis = torch.cat([self.basis, new])
-        return new.shape[0]
+        return a
 
     def _add_complement(self, v: torch.Tensor) -> int:
         s = v @ self.complement  # (b, k) coordinates in the complement

@@ -166,6 +166,8 @@ def _num(c: float, first: bool) -> str:
 
 
 def _index(shape, i, axis) -> str:
+    if len(shape) == 0:
+        return ""
     if len(shape) == 1:
         return f"[{i}]"
     return f"[{i},:]" if axis == "row" else f"[:,{i}]"
@@ -207,7 +209,7 @@ def format_law(q: torch.Tensor, b: torch.Tensor, layout: ParamLayout, tol: float
         if v.shape[0] > 1 and ((v - v[:1]).abs().max() <= tol):  # constant down each column: column sums
             terms += [(float(v[0, k]), f"Σ {name}[:,{k}]" if len(shapes[p]) > 1 else f"Σ {name}") for k in torch.nonzero(cols).flatten().tolist()]
         else:
-            terms += [(float(v.flatten()[i]), f"{name}{list(layout.coordinate(offs[p] + i)[1])}")
+            terms += [(float(v.flatten()[i]), f"{name}{list(layout.coordinate(offs[p] + i)[1]) if shapes[p] else ''}")
                       for i in torch.nonzero(v.flatten().abs() > tol).flatten().tolist()]
     if not terms:
         return "0"
@@ -226,7 +228,7 @@ def _gram_terms(mm, pn, rn, shape, same, axis, tol) -> list[tuple[float, str]]:
                 continue
             if same and i == j:
                 base = f"{pn}{_index(shape, i, axis)}"
-                out.append((c, f"{base}²" if len(shape) == 1 else f"‖{base}‖²"))
+                out.append((c, f"{base}²" if len(shape) <= 1 else f"‖{base}‖²"))
             else:
                 out.append((c, f"⟨{pn}{_index(shape, i, axis)}, {rn}{_index(shape, j, axis)}⟩"))
     return out
@@ -241,7 +243,7 @@ def _monomials(blk, p, r, layout, tol, limit=12) -> list[tuple[float, str]]:
             continue
         c = float(blk[i, j]) * (2 if p == r and i != j else 1)
         (n1, k1), (n2, k2) = layout.coordinate(offs[p] + i), layout.coordinate(offs[r] + j)
-        a1, a2 = f"{n1}{list(k1)}", f"{n2}{list(k2)}"
+        a1, a2 = (f"{n}{list(k)}" if k else n for n, k in ((n1, k1), (n2, k2)))
         out.append((c, f"{a1}²" if (p == r and i == j) else f"{a1}·{a2}"))
     return out[:limit] + ([(0.0, f"… ({len(out) - limit} more terms)")] if len(out) > limit else [])
 
