@@ -77,10 +77,15 @@ class SpanTracker:
 
     def __init__(self, dim: int, *, tol: float, dtype=torch.float64, device="cpu"):
         self.dim, self.tol = dim, tol
-        self.basis = torch.empty(0, dim, dtype=dtype, device=device)  # (r, D)
+        self._buf = torch.empty(0, dim, dtype=dtype, device=device)  # (D, D) once used; rows [:r] = basis
+        self._r = 0
         self.complement: torch.Tensor | None = None  # (D, D - r) once switched
         self.kept: list[float] = []
         self.dropped: list[float] = []
+
+    @property
+    def basis(self) -> torch.Tensor:
+        return self._buf[: self._r]  # (r, D) orthonormal rows
 
     @property
     def rank(self) -> int:
@@ -129,9 +134,12 @@ class SpanTracker:
             w = torch.linalg.eigh(r.T @ r)[1][:, -a:]  # (b, a)
             u = torch.linalg.qr(r @ w)[0]  # (m, a)
         new = (q @ u).T  # (a, D) orthonormal, ⊥ basis up to rounding
-        if sigma[a - 1] < 1e-3:  # small σ: rounding is amplified, re-orthogonalise
+        if sigma[a - 1] < 1e-4:  # small σ: rounding (~eps·√r/σ) is amplified, re-orthogonalise
             new = torch.linalg.qr(self._project(new).T)[0].T
-        self.basis = torch.cat([self.basis, new])
+        if self._buf.shape[0] == 0:
+            self._buf = self._buf.new_empty(self.dim, self.dim)  # preallocated: no O(D²) copy per block
+        self._buf[self._r : self._r + a] = new
+        self._r += a
         return a
 
     def _add_complement(self, v: torch.Tensor) -> int:
@@ -149,7 +157,7 @@ class SpanTracker:
         for _ in range(2):  # project twice for orthogonality at rounding level
             g = g - self.basis.T @ (self.basis @ g)
         self.complement = torch.linalg.qr(g)[0] if k else g  # (D, k)
-        self.basis = self.basis[:0]
+        self._buf, self._r = self._buf[:0], 0
 
     def gap(self, n: int = 5) -> dict:
         kept = sorted(self.kept)[:n]
