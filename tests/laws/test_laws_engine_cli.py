@@ -83,3 +83,14 @@ def test_register_verbs_on_a_fresh_parser():
     args = parser.parse_args(["count", "mha", "--heads", "3", "--positions", "rope", "--d-k", "4"])
     assert args.target == "mha" and args.zoo_heads == 3 and args.zoo_positions == "rope" and args.dtype == "float64"
     assert not hasattr(parser.parse_args(["discover", "ffn"]), "zoo_heads")  # only flags the user set
+
+
+def test_demo_table_rows_agree_and_mark_the_sigmoid_finding(capsys):
+    from flowgeom.cli.laws_engine import count_rows, print_count_table
+
+    rows = count_rows()
+    assert rows and all(r["match"] for r in rows)
+    sig = [r for r in rows if r["finding"]]
+    assert len(sig) == 2 and all(r["numeric"] == 9 for r in sig)  # E·m = 3·3; the seed's +d is refuted
+    print_count_table(rows)
+    assert "refuted" in capsys.readouterr().out
