@@ -10,7 +10,7 @@ Then the Gibbs measure satisfies a Poincaré inequality and the SDE converges
 exponentially (``O(log 1/ε)`` time to ε-suboptimality).
 
 The probe evaluates ``V``, ``‖∇V‖²`` and ``ΔV`` (exact Hessian trace via
-``torch.func.hessian`` for ``D ≤ exact_max_dim``; otherwise Hutchinson,
+``torch.func.jacrev(grad)`` for ``D ≤ exact_max_dim``; otherwise Hutchinson,
 ``ΔV ≈ mean_j z_jᵀ H z_j`` with Rademacher ``z_j``, error bar = standard
 error of the mean) along
 
@@ -53,7 +53,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-from torch.func import grad, hessian, jvp, vmap
+from torch.func import grad, jacrev, vmap
 
 from flowgeom.errors import FlowgeomError
 from flowgeom.langevin.losses import Objective
@@ -73,8 +73,8 @@ class Derivatives:
 
 
 def laplacian_exact(fn, theta: torch.Tensor) -> torch.Tensor:
-    """``tr ∇²V(θ)`` from the full Hessian (D D)."""
-    return torch.diagonal(hessian(fn)(theta)).sum()
+    """``tr ∇²V(θ)`` from the full Hessian (D D), reverse-over-reverse."""
+    return torch.diagonal(jacrev(grad(fn))(theta)).sum()
 
 
 def laplacian_hutchinson(fn, theta: torch.Tensor, *, probes: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,8 +83,8 @@ def laplacian_hutchinson(fn, theta: torch.Tensor, *, probes: int, generator: tor
         raise FlowgeomError(f"Hutchinson needs at least 2 probes for an error bar, got {probes}")
     z = torch.randint(0, 2, (probes, theta.numel()), generator=generator).to(theta.dtype) * 2 - 1  # (m, D)
 
-    def quad(v: torch.Tensor) -> torch.Tensor:
-        return (jvp(grad(fn), (theta,), (v,))[1] * v).sum()
+    def quad(v: torch.Tensor) -> torch.Tensor:  # vᵀ H v with H v = ∇(∇V·v)
+        return (grad(lambda th: (grad(fn)(th) * v).sum())(theta) * v).sum()
 
     samples = vmap(quad)(z)  # (m,)
     return samples.mean(), samples.std() / math.sqrt(probes)
