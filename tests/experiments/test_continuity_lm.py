@@ -33,7 +33,7 @@ def test_train_pattern_and_exact_resume(tmp_path):
     pattern = projection_pattern(RunFolder(tmp_path / "full").metrics())
     assert set(pattern) == {"q", "k", "v", "o", "gate", "up", "down"}
     for p in pattern.values():
-        assert p["verdict"] in ("input", "output", "low")
+        assert p["verdict"] in ("input-continuous", "output-continuous", "input+output-continuous", "neither")
         assert 0 <= p["v1"] <= 1 and 0 <= p["grad_v1_init"] <= 1 and p["dw_ratio"] > 0
         assert p["v1_x"] == pytest.approx(p["v1"] / p["v1_baseline"])
     assert pattern["q"]["seed"] == "input" and pattern["o"]["seed"] == "output" and pattern["v"]["seed"] == "low"

@@ -91,11 +91,13 @@ def train(args: argparse.Namespace) -> int:
 
 def format_pattern(pattern: dict) -> str:
     """Plain-text projection table: final v1/u1 (× chance), verdict vs seed, formation."""
-    head = (f"{'role':<6}{'v1':>7}{'×':>6}{'u1':>7}{'×':>6}  {'ours':<7}{'seed':<7}"
+    short = {"input-continuous": "input", "output-continuous": "output", "input+output-continuous": "in+out",
+             "neither": "neither"}
+    head = (f"{'role':<6}{'v1':>7}{'×':>6}{'u1':>7}{'×':>6}  {'ours':<8}{'seed':<7}"
             f"{'g_v1@0':>8}{'g_u1@0':>8}{'ΔW v1':>7}{'ΔW u1':>7}{'|ΔW|/|W0|':>10}{'step≥1':>8}")
     lines = [head, "-" * len(head)]
     for role, p in pattern.items():
-        lines.append(f"{role:<6}{p['v1']:>7.3f}{p['v1_x']:>6.1f}{p['u1']:>7.3f}{p['u1_x']:>6.1f}  {p['verdict']:<7}"
+        lines.append(f"{role:<6}{p['v1']:>7.3f}{p['v1_x']:>6.1f}{p['u1']:>7.3f}{p['u1_x']:>6.1f}  {short[p['verdict']]:<8}"
                      f"{p['seed']:<7}{p['grad_v1_init']:>8.3f}{p['grad_u1_init']:>8.3f}{p['delta_v1']:>7.3f}"
                      f"{p['delta_u1']:>7.3f}{p['dw_ratio']:>10.2f}{str(p['step_dw1']):>8}")
     return "\n".join(lines)

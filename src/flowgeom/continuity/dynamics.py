@@ -42,8 +42,6 @@ from flowgeom.continuity import _dynamics_metrics as pm
 from flowgeom.errors import FlowgeomError
 
 KINDS = ("weight", "grad", "delta")
-
-
 SCALARS = ("v1", "u1", "subspace_in", "subspace_out", "index_in", "index_out", "gram_in", "gram_out")
 
 

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from flowgeom.continuity import verdict as continuity_verdict
 from flowgeom.errors import FlowgeomError, choice_error
 from flowgeom.experiments.continuity_loop import make_optimizer, train_tracked, validate_run
 from flowgeom.nn.lm import LMConfig, TinyLM
@@ -39,6 +40,7 @@ LM_MLPS = ("swiglu", "gelu", "relu", "silu", "identity")
 ROLE_PATHS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
               "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
 SEED_PATTERN = {"q": "input", "k": "input", "gate": "input", "up": "input", "o": "output", "down": "output", "v": "low"}
+VERDICT_THRESHOLD = 3.0  # ratio to chance counted as continuous (the analyzer's default)
 
 PRESETS: dict[str, dict[str, Any]] = {
     "quick": {"d_model": 192, "heads": 6, "d_k": 32, "d_hidden": 512, "seq_len": 64, "batch": 16,
@@ -154,8 +156,9 @@ def _seeded_init(model: torch.nn.Module, seed: int) -> None:
 def projection_pattern(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per role: final weight v1/u1 (× baseline), verdict, and how it formed over training.
 
-    ``verdict`` is ``input`` when ``v1/v1_baseline`` exceeds ``u1/u1_baseline``
-    and 3× chance, ``output`` symmetrically, else ``low``. ``grad_v1_init`` /
+    ``verdict`` is the analyzer's rule (:func:`flowgeom.continuity.verdict`,
+    ratio to chance >= 3): ``input-continuous``, ``output-continuous``,
+    ``input+output-continuous`` or ``neither``. ``grad_v1_init`` /
     ``grad_u1_init`` are the gradient continuities at step 0 (before any
     update); ``step_dw1`` the first logged step with ``||ΔW||/||W(0)|| >= 1``.
     """
@@ -167,7 +170,7 @@ def projection_pattern(records: list[dict[str, Any]]) -> dict[str, dict[str, Any
     for role, fin in last.items():
         xv = fin["weight"]["v1"] / fin["v1_baseline"]
         xu = fin["weight"]["u1"] / fin["u1_baseline"]
-        verdict = "input" if xv >= xu and xv >= 3 else "output" if xu > xv and xu >= 3 else "low"
+        verdict = continuity_verdict(xv, xu, VERDICT_THRESHOLD)
         crossing = next((r["step"] for r in recs if r["continuity"][role]["dw_ratio"] >= 1.0), None)
         out[role] = {"v1": fin["weight"]["v1"], "u1": fin["weight"]["u1"], "v1_x": xv, "u1_x": xu,
                      "v1_baseline": fin["v1_baseline"], "u1_baseline": fin["u1_baseline"], "verdict": verdict,
