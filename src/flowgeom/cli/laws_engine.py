@@ -22,7 +22,6 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("target", metavar="TARGET", help=_TARGET_HELP)
     p.add_argument("--input-shape", default=None, help="shape of one input, e.g. 4,8 (for modules without sample_input)")
     p.add_argument("--dtype", default="float64", choices=DTYPES, help="arithmetic (default float64)")
-    p.add_argument("--max-depth", type=int, default=6, help="deepest Lie bracket level (default 6)")
     add_size_options(p)
     add_json(p)
     add_seed(p)
@@ -79,7 +78,7 @@ def _discover(args: argparse.Namespace) -> int:
 
     target, device, dtype = _resolve(args)
     res = discover(target.module, target.sampler, degree=args.degree, seed=args.seed, dtype=dtype, device=device,
-                   max_depth=args.max_depth, max_parameters=args.max_parameters)
+                   max_parameters=args.max_parameters)
     if args.json:
         print_json({"target": target.label} | res.to_dict())
         return 0
@@ -140,6 +139,7 @@ def register_verbs(verbs) -> None:
                 func=_count)
     _common(p)
     p.add_argument("--tol", type=float, default=None, help="relative singular-value tolerance (default 1e-9 in float64)")
+    p.add_argument("--max-depth", type=int, default=6, help="deepest Lie bracket level (default 6)")
     p = command(verbs, "discover", help="find a readable basis of the quadratic conservation laws of a module",
                 example="flowgeom laws discover swiglu --d-model 3 --d-hidden 2\n"
                         "flowgeom laws discover moe --d-model 3 --d-hidden 2 --experts 2 --json",

@@ -7,9 +7,10 @@ under the linear flow θ̇ = Aθ (+ b). Each (θ, field) pair is one linear
 constraint on (A, b); the solution space is the answer.
 
 Solving it directly has D(D+1)/2 + D unknowns (20,300 at D = 200). The
-engine shrinks it with the counting machinery: at each point θ_i the law
-gradients lie in the complement N_i = Lie(W)(θ_i)^⊥ (D × k, k = number of
-laws, see :mod:`flowgeom.laws.count`), so g(θ_i) = N_i z_i. With D + 1
+engine shrinks it with the fields themselves: at each point θ_i the law
+gradients lie in the small complement N_i = W(θ_i)^⊥ (D × k_i, from a batched
+SVD of D + 8 random fields per point, all points in one vmap), so
+g(θ_i) = N_i z_i. With D + 1
 generic points θ̃_i = (θ_i, 1) the affine map g is fixed by its values:
 [2A | b] = [g_0 … g_D] Θ̃⁻¹, and the only remaining condition is that 2A be
 symmetric (g is a gradient). With T = Θ̃⁻¹[:, :D] the antisymmetric residual
@@ -18,7 +19,7 @@ gives the quadratic form
     ½‖S − Sᵀ‖²_F = zᵀ(G1 − G2)z,  S = [g_i] T,
     G1[(i,a),(j,b)] = (N_iᵀN_j)_{ab} (TTᵀ)_{ij},   G2 = C ⊙ Cᵀ,  C[(i,a),(j,b)] = (T N_i)_{ja},
 
-whose null space (unknowns (D+1)·k) gives the candidates. A few extra points
+whose null space (unknowns Σ k_i ≈ (D+1)·k) gives the candidates. A few extra points
 confirm them (spurious solutions are projected out), and a reduced row
 echelon form makes the basis sparse before it is printed in parameter names.
 """
@@ -32,8 +33,10 @@ import torch
 from torch import nn
 
 from flowgeom.errors import FlowgeomError
-from flowgeom.laws.count import FieldSource, SpanTracker, _expected, lie_span, prepare, probe_output, random_point, DEFAULT_TOL
-from flowgeom.laws.fields import FieldModel, ParamLayout, Sampler
+from torch.func import vmap
+
+from flowgeom.laws.count import DEFAULT_TOL, FieldSource, _expected, prepare, probe_output, random_point
+from flowgeom.laws.fields import FieldModel, ParamLayout, Sampler, draw_inputs
 
 
 @dataclass
@@ -65,12 +68,30 @@ class DiscoverResult:
                 "seed": self.seed, "points": self.points, "notes": self.notes}
 
 
-def _complement(model, theta, sampler, out_shape, gen, *, dtype, device, tol, max_depth=0) -> torch.Tensor:
-    """Orthonormal basis (D, k) of W(θ)^⊥ (``max_depth`` 0) or Lie(W)(θ)^⊥; law gradients lie in both."""
-    source = FieldSource(model, theta, sampler, out_shape, gen, per_field=16, dtype=dtype, device=device)
-    span = SpanTracker(theta.numel(), tol=tol, dtype=dtype, device=device)
-    lie_span(span, source, gen, max_depth=max_depth, patience=8, block=512)
-    return span.complement  # (D, k)
+def _complements(model: FieldModel, thetas: torch.Tensor, sampler, out_shape, gen, *, tol: float, per_field: int = 16,
+                 chunk: int = 16) -> list[torch.Tensor]:
+    """Orthonormal bases (D, k_i) of W(θ_i)^⊥ for a stack of points ``thetas`` (M, D); law gradients lie there.
+
+    D + 8 random fields per point, vmapped over fields *and* points, then one
+    batched SVD of the (M, D + 8, D) field matrices.
+    """
+    m, d = thetas.shape
+    n = d + 8
+    fn = vmap(vmap(model.nested(0), in_dims=(None, 0, 0)), in_dims=(0, 0, 0))
+    out = []
+    for start in range(0, m, chunk):
+        th = thetas[start : start + chunk]  # (c, D)
+        c = th.shape[0]
+        xs = draw_inputs(sampler, c * n, 1, per_field, gen, dtype=th.dtype, device=th.device)
+        xs = xs.reshape(c, n, *xs.shape[1:])  # (c, n, 1, p, *sample)
+        cs = torch.randn(c, n, 1, per_field, *out_shape, generator=gen, dtype=torch.float64).to(th)
+        vecs, scales = fn(th, xs, cs)  # (c, n, D), (c, n)
+        rows = vecs / scales.clamp_min(1e-300)[..., None]
+        _, sig, vh = torch.linalg.svd(rows, full_matrices=True)  # sig (c, min(n, D)), vh (c, D, D)
+        for i in range(c):
+            k = int((sig[i] > tol).sum())
+            out.append(vh[i, k:].T)  # (D, D - k)
+    return out
 
 
 def _candidates(ns: list[torch.Tensor], thetas: torch.Tensor, *, rel_tol: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,12 +164,15 @@ def _modulo_products(coef: torch.Tensor, iu: torch.Tensor, tol: float = 1e-8) ->
 def _rref(coef: torch.Tensor, tol: float = 1e-8) -> torch.Tensor:
     """Reduced row echelon form of the rows of ``coef`` (m, n), pivots scaled to 1."""
     m = coef.clone()
-    row = 0
-    for col in range(m.shape[1]):
+    if m.shape[0] == 0:
+        return m
+    row, floor = 0, tol * float(m.abs().max()) if m.numel() else 0.0
+    live = torch.nonzero(m.abs().amax(0) > floor).flatten().tolist()  # columns that can hold a pivot
+    for col in live:
         if row == m.shape[0]:
             break
         piv = row + int(m[row:, col].abs().argmax())
-        if m[piv, col].abs() <= tol * m.abs().max():
+        if m[piv, col].abs() <= floor:
             continue
         m[[row, piv]] = m[[piv, row]]
         m[row] /= m[row, col].clone()
@@ -270,7 +294,6 @@ def discover(
     dtype: torch.dtype = torch.float64,
     device: str | torch.device = "cpu",
     extra_points: int = 4,
-    max_depth: int = 6,
     max_parameters: int = 300,
 ) -> DiscoverResult:
     """A sparse basis of the polynomial laws θᵀAθ + bᵀθ (``degree`` 2) or bᵀθ (``degree`` 1)."""
@@ -289,14 +312,11 @@ def discover(
     theta0 = model.layout.flatten(random_point(work, gen)).to(device=device, dtype=dtype)
     out_shape = probe_output(model, theta0, sampler, gen, dtype=dtype, device=device)
     n_points = (d + 1 if degree == 2 else 1) + extra_points
-    thetas, ns = [], []
-    for i in range(n_points):
-        theta = theta0 if i == 0 else model.layout.flatten(random_point(work, gen)).to(device=device, dtype=dtype)
-        thetas.append(theta)
-        depth = max_depth if i == 0 else 0  # W(θ)^⊥ suffices for the constraints and needs no brackets
-        ns.append(_complement(model, theta, sampler, out_shape, gen, dtype=dtype, device=device, tol=tol, max_depth=depth))
+    thetas = torch.stack([theta0] + [model.layout.flatten(random_point(work, gen)).to(device=device, dtype=dtype)
+                                     for _ in range(n_points - 1)])  # (M, D)
+    ns = _complements(model, thetas, sampler, out_shape, gen, tol=tol)
     if degree == 2:
-        a, b = _candidates([n.cpu() for n in ns[: d + 1]], torch.stack(thetas[: d + 1]).cpu(), rel_tol=1e-10)
+        a, b = _candidates([n.cpu() for n in ns[: d + 1]], thetas[: d + 1].cpu(), rel_tol=1e-10)
     else:  # linear laws: b in the span of N_0, A = 0
         b = ns[0].T.cpu()
         a = b.new_zeros(b.shape[0], d, d)
