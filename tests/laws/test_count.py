@@ -12,7 +12,6 @@ from flowgeom.laws.count import SpanTracker, count
 from flowgeom.laws.fields import FieldModel, shape_sampler
 from flowgeom.nn import build
 
-FAST = settings(max_examples=3, deadline=None)
 
 
 def _laws(name, seed=0, **opts):
