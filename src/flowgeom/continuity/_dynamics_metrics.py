@@ -23,8 +23,9 @@ def checked_pairs(stack: torch.Tensor, k: int, seed: int) -> SingularPairs:
     """Top-k pairs from the fast solver; matrices it did not converge on are redone by the full SVD.
 
     Guard for gradients at initialisation (near-degenerate, low-rank stacks),
-    where the batched Krylov solver was seen to return a non-unit ``v_1`` with
-    a residual of ~3 for one matrix of the stack.
+    where an earlier version of the batched Krylov solver returned a non-unit
+    ``v_1`` with a residual of ~3 for one matrix of the stack; it costs nothing
+    when the solver converges.
     """
     p = top_singular_pairs(stack, k, tol=SVD_TOL, seed=seed)
     bad = ~(p.residual <= CHECK_TOL)  # (L,), NaN counts as bad
