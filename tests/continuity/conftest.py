@@ -2,20 +2,10 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 LLAMA = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
          "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """LAPACK under oversubscribed cores (pytest -n 2 on 2 cores) is pathologically slow with 2 threads."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 def llama_state(layers: int = 3, d: int = 16, kv: int = 8, hidden: int = 24, seed: int = 0) -> dict[str, torch.Tensor]:
