@@ -31,7 +31,7 @@ def heatmap_bytes(report: dict, *, fmt: str = "png") -> bytes:
     width = max(len(r["layers"]) for r in report["roles"].values()) - first
     fig, axes = plt.subplots(1, 2, figsize=(max(6.0, 0.25 * width + 3) * 2 / 1.6, 0.45 * len(roles) + 1.6),
                              constrained_layout=True)
-    for ax, key, title in ((axes[0], "v1", "input space |cos v1|"), (axes[1], "u1", "output space |cos u1|")):
+    for ax, key, title in ((axes[0], "v1", "input space: |cos v1|"), (axes[1], "u1", "output space: |cos u1|")):
         grid = np.full((len(roles), width), np.nan)
         for i, role in enumerate(roles):
             pairs = [p for p in report["roles"][role]["pairs"] if p["distance"] == first]
@@ -41,8 +41,9 @@ def heatmap_bytes(report: dict, *, fmt: str = "png") -> bytes:
         labels = [f"{r} ({report['roles'][r][key + '_ratio']:.0f}x)" for r in roles]
         ax.set_yticks(range(len(roles)), labels)
         ax.set_xlabel(f"layer pair (l, l+{first})")
-        ax.set_title(title + "  (ratio to random baseline)")
+        ax.set_title(title)
     fig.colorbar(im, ax=axes, shrink=0.8, label="|cos|")
+    fig.suptitle(f"{report['source']}: row labels give mean |cos| / random baseline")
     buf = io.BytesIO()
     fig.savefig(buf, format=fmt, dpi=120)
     plt.close(fig)
