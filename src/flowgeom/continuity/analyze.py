@@ -120,7 +120,9 @@ class Analyzer:
         return t.to(device=self.device, dtype=self.dtype)  # (m, n)
 
     def _layer_states(self, refs: list[MatrixRef]) -> list[_LayerState]:
-        mats = torch.stack([self._load(r) for r in refs])  # (B, m, n)
+        loaded = [self._load(r) for r in refs]
+        mats = loaded[0].unsqueeze(0) if len(loaded) == 1 else torch.stack(loaded)  # (B, m, n), no copy for B = 1
+        del loaded
         grams, side = small_gram(mats)
         pairs = pairs_from_gram(mats, grams, side, self.config.k, tol=self.config.tol, seed=self.config.seed)
         fros = gram_fro(mats, grams)

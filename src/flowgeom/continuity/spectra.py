@@ -167,11 +167,11 @@ def pairs_from_gram(A: torch.Tensor, G: torch.Tensor, side: str, k: int, **opts)
     theta, Y, residual, depth = top_eigenpairs(G, k, **opts)
     s = theta.clamp_min(0).sqrt()  # (L, k)
     inv = torch.where(s > 0, 1.0 / s.clamp_min(torch.finfo(F64).tiny), torch.zeros_like(s))
-    A64 = A.to(F64)
+    # products in A's dtype (no float64 copy of A: memory stays ~ one matrix), then float64
     if side == "in":  # Y = V, U = A V / s
-        U, V = (A64 @ Y) * inv.unsqueeze(-2), Y
+        U, V = (A @ Y.to(A.dtype)).to(F64) * inv.unsqueeze(-2), Y
     else:  # Y = U, V = A^T U / s
-        U, V = Y, (A64.mT @ Y) * inv.unsqueeze(-2)
+        U, V = Y, (A.mT @ Y.to(A.dtype)).to(F64) * inv.unsqueeze(-2)
     return SingularPairs(U, s, V, residual, depth)
 
 
