@@ -1,9 +1,8 @@
 """`flowgeom continuity ...`: cross-layer singular-vector alignment of checkpoints.
 
 Verbs are added by small ``add_<verb>(verbs)`` functions called from
-:func:`register`; a later verb (e.g. ``train`` for gradient-coherence
-dynamics) adds its own ``add_train`` in its module and one call in
-``register``.
+:func:`register`; the training verbs (``train``, ``ablate``, ``plot``) live in
+:mod:`flowgeom.cli.continuity_train` and are added by ``register``.
 """
 
 from __future__ import annotations
@@ -139,4 +138,6 @@ def add_analyze(verbs) -> None:
 def register(sub) -> None:
     verbs = area(sub, "continuity", "geometric continuity: cross-layer alignment of singular vectors (seed 001)")
     add_analyze(verbs)
-    # add_train(verbs)  # gradient-coherence dynamics, another module (continuity/dynamics.py)
+    from flowgeom.cli.continuity_train import register_verbs as add_training_verbs
+
+    add_training_verbs(verbs)  # train / ablate / plot: gradient-coherence dynamics (continuity/dynamics.py)
