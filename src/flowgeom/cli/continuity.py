@@ -127,7 +127,8 @@ def add_analyze(verbs) -> None:
     p.add_argument("--distance", type=_distances, default=(1,), metavar="D[,D...]",
                    help="layer distances (default 1 = adjacent); the first drives table and verdict")
     p.add_argument("--max-layers", type=int, metavar="N", help="only the first N layers of each role")
-    p.add_argument("--dtype", default="float64", choices=("float64", "float32"), help="compute dtype (default float64)")
+    p.add_argument("--dtype", default="float32", choices=("float64", "float32"),
+                   help="compute dtype (default float32: on SmolLM2 its cosines match a float64 full SVD to 5e-7, 15x faster)")
     p.add_argument("--baseline", default="analytic", choices=("analytic", "montecarlo"),
                    help="random-matrix baseline: closed form (default) or Gaussian draws of the same shapes")
     p.add_argument("--draws", type=int, default=8, help="Monte-Carlo draws (default 8)")
