@@ -100,14 +100,14 @@ def lm_verdict(runs: Sequence[RunRecord], figures_dir: Path) -> Verdict:
                      "seed": p["seed"], "grad v1 at init": p["grad_v1_init"], "‖ΔW‖/‖W0‖": p["dw_ratio"]})
         if p["seed"] != "-":
             total += 1
-            agree += p["verdict"] == p["seed"]
+            agree += _matches(p["seed"], p["verdict"])
     fig = paired_bars(figures_dir / "lm-projection.png", roles, [pattern[r]["v1_x"] for r in roles],
                       [pattern[r]["u1_x"] for r in roles], names=("input space v1 (× chance)", "output space u1 (× chance)"),
                       title=f"projection-specific continuity, LM {main.summary['mlp']}", ylabel="× chance")
     text = f"{agree} of {total} roles match the seed's pattern: " + ", ".join(
         f"{row['role']} {row['ours']}" for row in rows)
     differ = [f"{row['role']} is {row['ours']} (seed: {row['seed']})" for row in rows
-              if row["seed"] != "-" and row["ours"] != row["seed"]]
+              if row["seed"] != "-" and not _matches(row["seed"], row["ours"])]
     if not differ:
         return Verdict(text, "reproduced", figures=(fig,), table=tuple(rows))
     return Verdict(text, "differs" if agree >= total / 2 else "not reproduced", how="; ".join(differ),
@@ -128,7 +128,8 @@ def run_pretrained(config: Mapping[str, Any], folder: RunFolder, resume: bool) -
 
 
 def _matches(seed: str, ours: str) -> bool:
-    return ours == "neither" if seed == "low" else seed in ours
+    """Whether our verdict (``input[-continuous]``, ``output…``, ``input+output…``, ``neither``/``low``) has the seed's space."""
+    return ours in ("neither", "low") if seed == "low" else seed in ours
 
 
 def pretrained_verdict(runs: Sequence[RunRecord], figures_dir: Path) -> Verdict:
