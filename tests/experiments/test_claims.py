@@ -67,3 +67,11 @@ def test_a_broken_adapter_never_stops_the_other_areas(monkeypatch):
     broken = [c for c in claims if c.area == "continuity"]
     assert [c.id for c in broken] == ["continuity.adapter"] and "adapter failed to load" in broken[0].unavailable
     assert any(c.id == "laws.swiglu" and not c.unavailable for c in claims)
+
+
+def test_role_verdicts_compare_by_space_whatever_the_wording():
+    from flowgeom.experiments.claims_continuity import _matches
+
+    assert _matches("input", "input-continuous") and _matches("input", "input+output-continuous")
+    assert _matches("output", "output") and not _matches("output", "input-continuous")
+    assert _matches("low", "neither") and _matches("low", "low") and not _matches("low", "input-continuous")
