@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/flowgeom demo
+	$(VENV)/bin/flowgeom demo --out runs/demo
 
 test: $(STAMP)
 	$(PY) -m pytest -n 2 -q

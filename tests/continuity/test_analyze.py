@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import llama_state, planted_stack
+from synthetic_checkpoints import llama_state, planted_stack
 from safetensors.torch import save_file
 
 from flowgeom.cli import main

@@ -7,7 +7,7 @@ import json
 import gguf
 import pytest
 import torch
-from conftest import llama_state, write_gguf
+from synthetic_checkpoints import llama_state, write_gguf
 from safetensors.torch import save_file
 
 from flowgeom.continuity.naming import resolve_roles
@@ -19,7 +19,7 @@ GGUF_NAMES = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output", "
 
 
 def _gguf_state(sd):
-    from conftest import LLAMA
+    from synthetic_checkpoints import LLAMA
 
     return {f"blk.{i}.{GGUF_NAMES[r]}.weight": sd[f"model.layers.{i}.{n}.weight"] for i in range(3) for r, n in LLAMA.items()}
 

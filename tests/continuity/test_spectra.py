@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import planted_stack
+from synthetic_checkpoints import planted_stack
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

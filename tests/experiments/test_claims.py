@@ -54,7 +54,11 @@ def test_seed_formulas_match_the_paper():
 
 
 def test_a_missing_area_module_becomes_not_run(monkeypatch):
+    import flowgeom.experiments
+
     monkeypatch.setitem(sys.modules, "flowgeom.experiments.darcy", None)  # import now raises ImportError
+    # `from flowgeom.experiments import darcy` would still find the attribute an earlier test left on the package
+    monkeypatch.delattr(flowgeom.experiments, "darcy", raising=False)
     from flowgeom.experiments import claims_langevin
 
     darcy = next(c for c in claims_langevin.claims() if c.id == "langevin.darcy")
