@@ -5,7 +5,6 @@ import re
 
 import pytest
 
-from _one_thread import one_thread  # noqa: F401  (autouse fixture)
 
 from flowgeom.cli import main
 from flowgeom.errors import FlowgeomError

@@ -7,7 +7,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from _one_thread import one_thread  # noqa: F401  (autouse fixture)
 
 from flowgeom.cli import main
 from flowgeom.errors import FlowgeomError

@@ -16,14 +16,6 @@ from flowgeom.nn import build
 from flowgeom.runs import RunFolder
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _train(model, *, lr, steps, opt="sgd", weight_decay=0.0, seed=0, monitor=None, time_of=None):
     """Full-batch GD on a random regression target; returns the monitor's last record."""
     gen = torch.Generator().manual_seed(seed)
