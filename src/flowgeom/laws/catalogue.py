@@ -231,7 +231,11 @@ def _moe(m: MixtureOfExperts, prefix: str) -> CatalogueEntry:
     if m.top_k == 1:
         # Renormalising over one selected expert makes g ≡ 1: the router is frozen,
         # whatever the gate function (a degenerate case the seed does not discuss).
-        controls = (_sq_norm_control(_join(prefix, "experts.0"), "gate_proj.weight", "experts.0.gate_proj.weight"),)
+        # Control: every expert's gate norm together (a single expert may be selected by no sampled input).
+        gates = tuple(_join(prefix, f"experts.{e}.gate_proj.weight") for e in range(m.n_experts))
+        controls = (Law(family="control", name="Σ_e ‖experts.e.gate_proj.weight‖²_F",
+                        formula="Σ_e ‖gate_proj_e‖²_F (not conserved)", count=1, params=gates,
+                        fn=lambda p: sum((p[g] ** 2).sum() for g in gates).reshape(1), status="control"),)
         return CatalogueEntry(tuple(laws) + (_frozen_router(m, prefix),), controls, (),
                               ("top-1 routing with renormalised gates: the router weights never move",))
     controls = (_sq_norm_control(prefix, "router.weight", "router.weight"),)
