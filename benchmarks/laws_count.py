@@ -70,7 +70,7 @@ def scale(budget: float, device: str) -> None:
     """Largest full-rank SwiGLU (the O(D³) worst case: every direction is kept) counted within ``budget`` s."""
     print(f"\nlargest D within {budget:.0f} s on {device} (SwiGLU d=m/2=out, {os.cpu_count()} CPUs visible):")
     best = None
-    for m in (32, 48, 64, 80, 96, 112, 128, 160, 192, 256):
+    for m in (32, 48, 64, 80, 88, 96, 104, 112, 128, 160, 192, 256):
         d = m // 2
         module = build("swiglu", seed=0, d_model=d, d_hidden=m)
         res, t = timed(lambda: count(module, seed=0, device=device))
