@@ -74,7 +74,9 @@ def test_bad_config(bad):
 
 
 def test_cli(tmp_path, capsys):
-    assert main(["langevin", "darcy", "--out", str(tmp_path / "e"), "--lam", "-1"]) == 2
+    with pytest.raises(SystemExit) as exc:  # argparse usage error: exit 2, before anything is written
+        main(["langevin", "darcy", "--out", str(tmp_path / "e"), "--lam", "-1"])
+    assert exc.value.code == 2 and "--lam" in capsys.readouterr().err
     assert not (tmp_path / "e").exists()
     assert main(["langevin", "villani", "--loss", "norm1", "--json", "--points", "6", "--rays", "1"]) == 0
     assert json.loads(capsys.readouterr().out)["verdict"] == "fails"

@@ -65,3 +65,16 @@ def console():
 
     # Piped output (CI logs, `| less`) would otherwise wrap tables at 80 columns.
     return Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0 (usage error, exit 2, otherwise)."""
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value

@@ -6,7 +6,7 @@ import argparse
 import sys
 from dataclasses import asdict, replace
 
-from flowgeom.cli._common import add_device, add_json, add_seed, area, command, console, print_json, resolve_device
+from flowgeom.cli._common import add_device, add_json, add_seed, area, command, console, positive_float, print_json, resolve_device
 from flowgeom.errors import FlowgeomError
 
 
@@ -143,8 +143,8 @@ def demo(out: str = "runs/demo/langevin") -> int:
 
 def _add_common(p: argparse.ArgumentParser, *, figure: str) -> None:
     """Options shared by villani and rate: λ, ε, --figure, --threads, --seed, --json."""
-    p.add_argument("--lam", type=float, default=0.01, help="regulariser λ > 0 (default 0.01)")
-    p.add_argument("--eps", type=float, default=0.5, help="power regulariser ε > 0 (default 0.5)")
+    p.add_argument("--lam", type=positive_float, default=0.01, help="regulariser λ > 0 (default 0.01)")
+    p.add_argument("--eps", type=positive_float, default=0.5, help="power regulariser ε > 0 (default 0.5)")
     p.add_argument("--figure", help=figure)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     add_seed(p)
@@ -182,8 +182,8 @@ def register(sub) -> None:
     p.add_argument("--pretrain-steps", type=int, help="Adam pretraining steps")
     p.add_argument("--lr", type=float, help="Langevin step size")
     p.add_argument("--temperature", type=float, help="Langevin temperature s >= 0")
-    p.add_argument("--lam", type=float, help="regulariser λ > 0")
-    p.add_argument("--eps", type=float, help="power regulariser ε > 0")
+    p.add_argument("--lam", type=positive_float, help="regulariser λ > 0")
+    p.add_argument("--eps", type=positive_float, help="power regulariser ε > 0")
     p.add_argument("--regs", help="comma-separated arms among none,log,power,frobenius (default none,log,power)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: fastest for this small model)")
     p.add_argument("--seed", type=int, default=None, help="random seed (default 0)")
