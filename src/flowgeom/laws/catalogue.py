@@ -99,7 +99,8 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def _sq_norm_control(prefix: str, pname: str, label: str) -> Law:
+def norm_control(prefix: str, pname: str, label: str) -> Law:
+    """‖prefix.pname‖²_F as a *control*: a quantity that is not conserved, so the check can be seen failing."""
     full = _join(prefix, pname)
     return Law(
         family="control", name=f"‖{full}‖²_F", formula=f"‖{label}‖²_F (not conserved)", count=1, params=(full,),
@@ -125,7 +126,7 @@ def _rescale_law(prefix: str, family: str, up: str, down: str, bias: str | None,
 
 
 def _ffn(m: FeedForward, prefix: str) -> CatalogueEntry:
-    controls = (_sq_norm_control(prefix, "up_proj.weight", "up_proj.weight"),)
+    controls = (norm_control(prefix, "up_proj.weight", "up_proj.weight"),)
     bias = "up_proj.bias" if m.up_proj.bias is not None else None
     if m.activation == "relu":
         return CatalogueEntry((_rescale_law(prefix, "relu.rescale", "up_proj.weight", "down_proj.weight", bias, m.d_hidden),), controls, ())
@@ -149,11 +150,13 @@ def _ffn(m: FeedForward, prefix: str) -> CatalogueEntry:
     return CatalogueEntry((), controls, (), (f"{m.activation} FFN: only constant laws (seed 000, Thm. FFN)",))
 
 
-def _swiglu(prefix: str, m: SwiGLU) -> tuple[Law, ...]:
+def swiglu_laws(prefix: str, m: SwiGLU) -> tuple[Law, ...]:
+    """The m rescaling laws of a SwiGLU block whose parameters live under ``prefix``."""
     return (_rescale_law(prefix, "swiglu.up_down", "up_proj.weight", "down_proj.weight", None, m.d_hidden),)
 
 
-def _mha(m: MultiHeadAttention, prefix: str) -> CatalogueEntry:
+def attention_laws(m: MultiHeadAttention, prefix: str) -> CatalogueEntry:
+    """Per-head Q/K (or RoPE block) and V/O laws of ``m``; ``m`` needs only d_k, d_v, n_heads, positions."""
     q, k = _join(prefix, "q_proj.weight"), _join(prefix, "k_proj.weight")
     v, o = _join(prefix, "v_proj.weight"), _join(prefix, "o_proj.weight")
     dk, dv, H = m.d_k, m.d_v, m.n_heads
@@ -192,7 +195,7 @@ def _mha(m: MultiHeadAttention, prefix: str) -> CatalogueEntry:
             formula=f"V_iV_iᵀ − O_iᵀO_i, V_i = {v}[{vs.start}:{vs.stop}, :], O_i = {o}[:, {vs.start}:{vs.stop}]",
             count=dv * (dv + 1) // 2, params=(v, o), fn=vo,
         ))
-    controls = (_sq_norm_control(prefix, "q_proj.weight", "W_Q"),)
+    controls = (norm_control(prefix, "q_proj.weight", "W_Q"),)
     return CatalogueEntry(tuple(laws), controls, (), ("counts independent when d_k, d_v < d_model",))
 
 
@@ -227,7 +230,7 @@ def _frozen_router(m: MixtureOfExperts, prefix: str) -> Law:
 
 
 def _moe(m: MixtureOfExperts, prefix: str) -> CatalogueEntry:
-    laws = [law for e, expert in enumerate(m.experts) for law in _swiglu(_join(prefix, f"experts.{e}"), expert)]
+    laws = [law for e, expert in enumerate(m.experts) for law in swiglu_laws(_join(prefix, f"experts.{e}"), expert)]
     if m.top_k == 1:
         # Renormalising over one selected expert makes g ≡ 1: the router is frozen,
         # whatever the gate function (a degenerate case the seed does not discuss).
@@ -238,7 +241,7 @@ def _moe(m: MixtureOfExperts, prefix: str) -> CatalogueEntry:
                         fn=lambda p: sum((p[g] ** 2).sum() for g in gates).reshape(1), status="control"),)
         return CatalogueEntry(tuple(laws) + (_frozen_router(m, prefix),), controls, (),
                               ("top-1 routing with renormalised gates: the router weights never move",))
-    controls = (_sq_norm_control(prefix, "router.weight", "router.weight"),)
+    controls = (norm_control(prefix, "router.weight", "router.weight"),)
     if m.gate == "softmax":
         return CatalogueEntry(tuple(laws) + (_router_sum(m, prefix, "law"),), controls, ())
     return CatalogueEntry(tuple(laws), controls, (_router_sum(m, prefix, "refuted"),),
@@ -256,7 +259,7 @@ def _chain(m: LinearChain, prefix: str) -> CatalogueEntry:
 
         laws.append(Law(family="linear.gram", name=f"W_{l}W_{l}ᵀ − W_{l + 1}ᵀW_{l + 1}",
                         formula=f"{a}·{a}ᵀ − {b}ᵀ·{b} ({d}×{d} symmetric)", count=d * (d + 1) // 2, params=(a, b), fn=fn))
-    controls = (_sq_norm_control(prefix, "layers.0.weight", "W_0"),)
+    controls = (norm_control(prefix, "layers.0.weight", "W_0"),)
     return CatalogueEntry(tuple(laws), controls, (), ("independent when each inner width ≤ its neighbours",))
 
 
@@ -264,9 +267,9 @@ def _entry_of_block(block: nn.Module, prefix: str) -> CatalogueEntry | None:
     if isinstance(block, FeedForward):
         return _ffn(block, prefix)
     if isinstance(block, SwiGLU):
-        return CatalogueEntry(_swiglu(prefix, block), (_sq_norm_control(prefix, "gate_proj.weight", "gate_proj.weight"),), ())
+        return CatalogueEntry(swiglu_laws(prefix, block), (norm_control(prefix, "gate_proj.weight", "gate_proj.weight"),), ())
     if isinstance(block, MultiHeadAttention):
-        return _mha(block, prefix)
+        return attention_laws(block, prefix)
     if isinstance(block, MixtureOfExperts):
         return _moe(block, prefix)
     if isinstance(block, LinearChain):

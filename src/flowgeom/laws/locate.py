@@ -27,7 +27,7 @@ from types import SimpleNamespace
 from torch import nn
 
 from flowgeom.errors import FlowgeomError, choice_error
-from flowgeom.laws.catalogue import CatalogueEntry, _mha, _sq_norm_control, _swiglu, catalogue
+from flowgeom.laws.catalogue import CatalogueEntry, attention_laws, norm_control, swiglu_laws, catalogue
 from flowgeom.nn.attention import POSITIONS
 
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -108,7 +108,7 @@ def locate(model: nn.Module, *, heads: int | None = None, head_dim: int | None =
                 raise FlowgeomError(f"{name}: RoPE needs an even head dim, got {d_k}")
             d_v = module.v_proj.out_features // H
             shim = SimpleNamespace(d_k=d_k, d_v=d_v, n_heads=H, positions=pos)
-            entry = _mha(shim, name)
+            entry = attention_laws(shim, name)
             laws += entry.laws
             controls += entry.controls
         elif _has_linears(module, _MLP) and f"{prefix}up_proj.weight" not in covered:
@@ -116,6 +116,6 @@ def locate(model: nn.Module, *, heads: int | None = None, head_dim: int | None =
                 notes.append(f"{name}: gated MLP with biases — laws not catalogued, skipped")
                 continue
             shim = SimpleNamespace(d_hidden=module.up_proj.out_features)
-            laws += _swiglu(name, shim)
-            controls.append(_sq_norm_control(name, "gate_proj.weight", "gate_proj.weight"))
+            laws += swiglu_laws(name, shim)
+            controls.append(norm_control(name, "gate_proj.weight", "gate_proj.weight"))
     return CatalogueEntry(tuple(laws), tuple(controls), base.refuted, tuple(notes))

@@ -64,7 +64,7 @@ class LMConfig:
             raise FlowgeomError(f"top_k={self.top_k} must lie in 1..experts={self.experts}")
 
 
-def _norm(kind: str, d: int) -> nn.Module:
+def make_norm(kind: str, d: int) -> nn.Module:
     if kind == "rmsnorm":
         return nn.RMSNorm(d, eps=1e-6)
     if kind == "layernorm":
@@ -84,9 +84,9 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: LMConfig):
         super().__init__()
         rope = "rope" if cfg.positions == "rope" else "none"
-        self.input_layernorm = _norm(cfg.norm, cfg.d_model)
+        self.input_layernorm = make_norm(cfg.norm, cfg.d_model)
         self.self_attn = MultiHeadAttention(cfg.d_model, cfg.heads, cfg.d_k, cfg.d_k, positions=rope, seq_len=cfg.seq_len)
-        self.post_attention_layernorm = _norm(cfg.norm, cfg.d_model)
+        self.post_attention_layernorm = make_norm(cfg.norm, cfg.d_model)
         self.mlp = _mlp(cfg)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:  # (B, T, d_model)
@@ -102,7 +102,7 @@ class TinyLM(nn.Module):
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab, cfg.d_model)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_layers))
-        self.norm = _norm(cfg.norm, cfg.d_model)
+        self.norm = make_norm(cfg.norm, cfg.d_model)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
         if cfg.positions == "sinusoidal":
             self.register_buffer("pos_table", sinusoidal_table(cfg.seq_len, cfg.d_model), persistent=False)

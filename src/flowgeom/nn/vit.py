@@ -26,7 +26,7 @@ from torch import nn
 from flowgeom.errors import FlowgeomError, choice_error
 from flowgeom.nn.attention import MultiHeadAttention
 from flowgeom.nn.feedforward import SwiGLU
-from flowgeom.nn.lm import NORMS, _norm
+from flowgeom.nn.lm import NORMS, make_norm
 
 
 
@@ -60,10 +60,10 @@ class ViTConfig:
 class EncoderLayer(nn.Module):
     def __init__(self, cfg: ViTConfig):
         super().__init__()
-        self.input_layernorm = _norm(cfg.norm, cfg.d_model)
+        self.input_layernorm = make_norm(cfg.norm, cfg.d_model)
         self.self_attn = MultiHeadAttention(cfg.d_model, cfg.heads, cfg.d_k, cfg.d_k, positions="none",
                                             seq_len=cfg.n_patches, causal=False)
-        self.post_attention_layernorm = _norm(cfg.norm, cfg.d_model)
+        self.post_attention_layernorm = make_norm(cfg.norm, cfg.d_model)
         self.mlp = SwiGLU(cfg.d_model, cfg.d_hidden)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:  # (B, P, d_model)
@@ -88,7 +88,7 @@ class ViT(nn.Module):
         self.patch_embed = nn.Linear(cfg.channels * cfg.patch ** 2, cfg.d_model)
         self.pos_embed = nn.Parameter(0.02 * torch.randn(cfg.n_patches, cfg.d_model, generator=generator))
         self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.n_layers))
-        self.norm = _norm(cfg.norm, cfg.d_model)
+        self.norm = make_norm(cfg.norm, cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.n_classes)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
