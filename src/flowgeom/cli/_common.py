@@ -78,3 +78,14 @@ def positive_float(text: str) -> float:
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return value
+
+
+def apply_threads(n: int | None) -> None:
+    """Set torch's CPU threads from ``--threads`` (None keeps torch's default)."""
+    if n is None:
+        return
+    if n < 1:
+        raise FlowgeomError(f"--threads must be >= 1, got {n}")
+    import torch
+
+    torch.set_num_threads(n)

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from flowgeom.cli._common import add_device, add_json, area, command, console, print_json, resolve_device
+from flowgeom.cli._common import add_device, apply_threads, add_json, area, command, console, print_json, resolve_device
 from flowgeom.errors import FlowgeomError
 
 QUICK_RUN = {"archs": None, "lrs": (0.05, 0.2), "seeds": 1, "steps": 100, "regimes": ("gd", "sgd")}
@@ -33,12 +33,8 @@ def _progress(enabled: bool):
 
 def _threads(args: argparse.Namespace) -> None:
     """Apply --threads and validate --device (one clear error when CUDA is asked for but absent)."""
-    import torch
-
     resolve_device(args.device)
-    if args.threads < 1:
-        raise FlowgeomError(f"--threads must be ≥ 1, got {args.threads}")
-    torch.set_num_threads(args.threads)
+    apply_threads(args.threads)
 
 
 def _run_base(args: argparse.Namespace, preset: dict[str, Any]):

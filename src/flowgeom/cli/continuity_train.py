@@ -9,17 +9,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from flowgeom.cli._common import add_device, add_json, add_seed, command, console, print_json, resolve_device
+from flowgeom.cli._common import add_device, apply_threads, add_json, add_seed, command, console, print_json, resolve_device
 from flowgeom.errors import FlowgeomError
-
-
-def _threads(n: int | None) -> None:
-    if n is not None:
-        import torch
-
-        if n < 1:
-            raise FlowgeomError(f"--threads must be >= 1, got {n}")
-        torch.set_num_threads(n)
 
 
 def _overrides(args: argparse.Namespace, names: tuple[str, ...]) -> dict:
@@ -59,7 +50,7 @@ def _common_run_options(p: argparse.ArgumentParser) -> None:
 
 
 def train(args: argparse.Namespace) -> int:
-    _threads(args.threads)
+    apply_threads(args.threads)
     resolve_device(args.device)
     opts = {**_overrides(args, ("steps", "lr", "optimizer", "log_every")), "seed": args.seed, "device": args.device,
             **_parse_sets(args.sets)}
@@ -106,7 +97,7 @@ def format_pattern(pattern: dict) -> str:
 def ablate(args: argparse.Namespace) -> int:
     from flowgeom.experiments.continuity_mlp import CORE, VARIANTS, ablation_figure, format_ablation, run_ablation
 
-    _threads(args.threads)
+    apply_threads(args.threads)
     resolve_device(args.device)
     if args.variants == "core":
         variants = CORE

@@ -6,22 +6,15 @@ import argparse
 import sys
 from dataclasses import asdict, replace
 
-from flowgeom.cli._common import add_device, add_json, add_seed, area, command, console, positive_float, print_json, resolve_device
-from flowgeom.errors import FlowgeomError
-
-
-def _threads(n: int) -> None:
-    import torch
-
-    if n < 1:
-        raise FlowgeomError(f"--threads must be >= 1, got {n}")
-    torch.set_num_threads(n)
+from flowgeom.cli._common import (
+    add_device, add_json, add_seed, apply_threads, area, command, console, positive_float, print_json, resolve_device,
+)
 
 
 def run_villani(args: argparse.Namespace) -> int:
     from flowgeom.langevin import Regularizer, objective, plot, probe
 
-    _threads(args.threads)
+    apply_threads(args.threads)
     obj = objective(args.loss, seed=args.seed)
     if args.reg != "none":
         obj = obj.with_regularizer(Regularizer(args.reg, lam=args.lam, eps=args.eps))
@@ -53,7 +46,7 @@ def run_darcy(args: argparse.Namespace) -> int:
 
     from flowgeom.experiments.darcy import FULL, QUICK, DarcyConfig, run
 
-    _threads(args.threads)
+    apply_threads(args.threads)
     device = str(resolve_device(args.device))
     cfg = FULL if args.full else QUICK
     overrides = {k: getattr(args, k) for k in ("data", "steps", "pretrain_steps", "lr", "temperature", "lam", "eps", "seed")
@@ -91,7 +84,7 @@ def run_darcy(args: argparse.Namespace) -> int:
 def run_rate_cmd(args: argparse.Namespace) -> int:
     from flowgeom.experiments.langevin_rate import RateConfig, plot_rate, run_rate
 
-    _threads(args.threads)
+    apply_threads(args.threads)
     cfg = RateConfig(loss=args.loss, chains=args.chains, start_radius=args.start_radius, lr=args.lr,
                      temperature=args.temperature, steps=args.steps, regs=tuple(args.regs.split(",")), lam=args.lam,
                      eps=args.eps, seed=args.seed)
@@ -120,7 +113,7 @@ def demo(out: str = "runs/demo/langevin") -> int:
     from flowgeom.experiments.darcy import QUICK, run
     from flowgeom.langevin import Regularizer, objective, probe
 
-    _threads(1)
+    apply_threads(1)
     con = console()
     con.print("[bold]Villani probe[/] (s=1, λ=0.01, ε=0.5): loss + regulariser → verdict")
     cases = [(name, reg) for name in ("attention", "lora") for reg in ("none", "log", "power")]
