@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from flowgeom.experiments.registry import Claim, RunRecord, Verdict, unavailable
+from flowgeom.experiments.registry import Claim, RunRecord, Verdict, guarded
 from flowgeom.runs import RunFolder
 
 ACTIVATED = ("Res+ReLU", "Res+GELU", "Res+SiLU")
@@ -177,38 +177,38 @@ TEXTS = {
 }
 
 
+def _mlp_claim() -> Claim:
+    from flowgeom.experiments.continuity_mlp import CORE, summarise_run, train_mlp, variant_config  # noqa: F401
+
+    return Claim("continuity", "continuity.mlp-ablation", "001", TEXTS["continuity.mlp-ablation"],
+                 quick=tuple({"variant": v, "preset": "quick", "seed": 0, "steps": 300} for v in CORE),
+                 full=tuple({"variant": v, "preset": "full", "seed": s, "steps": None} for v in CORE for s in range(3)),
+                 run=run_mlp, verdict=mlp_verdict)
+
+
+def _lm_claim() -> Claim:
+    from flowgeom.experiments.continuity_lm import lm_config, projection_pattern, train_lm  # noqa: F401
+
+    return Claim("continuity", "continuity.lm-projection", "001", TEXTS["continuity.lm-projection"],
+                 quick=({"preset": "quick", "mlp": "swiglu", "seed": 0, "steps": 200},),
+                 full=tuple({"preset": "full", "mlp": m, "seed": 0, "steps": None} for m in ("swiglu", "gelu", "identity")),
+                 run=run_lm, verdict=lm_verdict)
+
+
+def _pretrained_claim() -> Claim:
+    from flowgeom.continuity import AnalyzeConfig, analyze  # noqa: F401
+
+    return Claim("continuity", "continuity.pretrained", "001", TEXTS["continuity.pretrained"],
+                 quick=({"source": "builtin:smollm2", "k": 8, "seed": 0},),
+                 full=tuple({"source": s, "k": 8, "seed": 0} for s in ("builtin:smollm2", "builtin:minilm")),
+                 run=run_pretrained, verdict=pretrained_verdict)
+
+
 def claims() -> list[Claim]:
-    out: list[Claim] = []
-    try:
-        from flowgeom.experiments.continuity_mlp import CORE, summarise_run, train_mlp, variant_config  # noqa: F401
-
-        out.append(Claim("continuity", "continuity.mlp-ablation", "001", TEXTS["continuity.mlp-ablation"],
-                         quick=tuple({"variant": v, "preset": "quick", "seed": 0, "steps": 300} for v in CORE),
-                         full=tuple({"variant": v, "preset": "full", "seed": s, "steps": None} for v in CORE
-                                    for s in range(3)),
-                         run=run_mlp, verdict=mlp_verdict))
-    except Exception as exc:  # noqa: BLE001
-        out += unavailable("continuity", f"residual-MLP ablation unavailable ({exc})",
-                           [("continuity.mlp-ablation", "001", TEXTS["continuity.mlp-ablation"])])
-    try:
-        from flowgeom.experiments.continuity_lm import lm_config, projection_pattern, train_lm  # noqa: F401
-
-        out.append(Claim("continuity", "continuity.lm-projection", "001", TEXTS["continuity.lm-projection"],
-                         quick=({"preset": "quick", "mlp": "swiglu", "seed": 0, "steps": 200},),
-                         full=tuple({"preset": "full", "mlp": m, "seed": 0, "steps": None}
-                                    for m in ("swiglu", "gelu", "identity")),
-                         run=run_lm, verdict=lm_verdict))
-    except Exception as exc:  # noqa: BLE001
-        out += unavailable("continuity", f"LM continuity experiment unavailable ({exc})",
-                           [("continuity.lm-projection", "001", TEXTS["continuity.lm-projection"])])
-    try:
-        from flowgeom.continuity import AnalyzeConfig, analyze  # noqa: F401
-
-        out.append(Claim("continuity", "continuity.pretrained", "001", TEXTS["continuity.pretrained"],
-                         quick=({"source": "builtin:smollm2", "k": 8, "seed": 0},),
-                         full=tuple({"source": s, "k": 8, "seed": 0} for s in ("builtin:smollm2", "builtin:minilm")),
-                         run=run_pretrained, verdict=pretrained_verdict))
-    except Exception as exc:  # noqa: BLE001
-        out += unavailable("continuity", f"checkpoint analyzer unavailable ({exc})",
-                           [("continuity.pretrained", "001", TEXTS["continuity.pretrained"])])
-    return out
+    area = "continuity"
+    return (guarded(area, "001", "continuity.mlp-ablation", TEXTS["continuity.mlp-ablation"],
+                    "residual-MLP ablation", _mlp_claim)
+            + guarded(area, "001", "continuity.lm-projection", TEXTS["continuity.lm-projection"],
+                      "LM continuity experiment", _lm_claim)
+            + guarded(area, "001", "continuity.pretrained", TEXTS["continuity.pretrained"],
+                      "checkpoint analyzer", _pretrained_claim))

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from flowgeom.experiments.registry import Claim, RunRecord, Verdict, grid, unavailable
+from flowgeom.experiments.registry import Claim, RunRecord, Verdict, grid, guarded
 from flowgeom.runs import RunFolder
 
 EXPECTED = {"none": ("fails", "diverges"), "log": ("holds", "converges"), "power": ("holds", "converges")}
@@ -133,29 +133,29 @@ TEXTS = {
 }
 
 
-def claims() -> list[Claim]:
-    out: list[Claim] = []
-    try:
-        from flowgeom.langevin import Regularizer, objective, probe  # noqa: F401
-        out.append(Claim("langevin", "langevin.villani", "004", TEXTS["langevin.villani"],
-                         quick=grid(loss=["attention", "lora"], reg=["none", "log", "power"], lam=[0.01], eps=[0.5],
-                                    temperature=[1.0], seed=[0]),
-                         full=grid(loss=["attention", "lora"], reg=["none", "log", "power"], lam=[0.001, 0.01, 0.1],
-                                   eps=[0.5], temperature=[0.1, 1.0], seed=[0, 1, 2]),
-                         run=run_villani, verdict=villani_verdict))
-    except Exception as exc:  # noqa: BLE001
-        out += unavailable("langevin", f"flowgeom.langevin probe unavailable ({exc})",
-                           [("langevin.villani", "004", TEXTS["langevin.villani"])])
-    try:
-        from flowgeom.experiments import darcy
+def _villani_claim() -> Claim:
+    from flowgeom.langevin import Regularizer, objective, probe  # noqa: F401
 
-        for name in ("QUICK", "FULL", "run"):
-            if not hasattr(darcy, name):
-                raise ImportError(f"flowgeom.experiments.darcy has no {name}")
-        out.append(Claim("langevin", "langevin.darcy", "004", TEXTS["langevin.darcy"],
-                         quick=({"scale": "quick", "seed": 0},), full=grid(scale=["full"], seed=[0, 1, 2]),
-                         run=run_darcy, verdict=darcy_verdict))
-    except Exception as exc:  # noqa: BLE001
-        out += unavailable("langevin", f"Darcy experiment unavailable ({exc})",
-                           [("langevin.darcy", "004", TEXTS["langevin.darcy"])])
-    return out
+    return Claim("langevin", "langevin.villani", "004", TEXTS["langevin.villani"],
+                 quick=grid(loss=["attention", "lora"], reg=["none", "log", "power"], lam=[0.01], eps=[0.5],
+                            temperature=[1.0], seed=[0]),
+                 full=grid(loss=["attention", "lora"], reg=["none", "log", "power"], lam=[0.001, 0.01, 0.1],
+                           eps=[0.5], temperature=[0.1, 1.0], seed=[0, 1, 2]),
+                 run=run_villani, verdict=villani_verdict)
+
+
+def _darcy_claim() -> Claim:
+    from flowgeom.experiments import darcy
+
+    for name in ("QUICK", "FULL", "run"):
+        if not hasattr(darcy, name):
+            raise ImportError(f"flowgeom.experiments.darcy has no {name}")
+    return Claim("langevin", "langevin.darcy", "004", TEXTS["langevin.darcy"],
+                 quick=({"scale": "quick", "seed": 0},), full=grid(scale=["full"], seed=[0, 1, 2]),
+                 run=run_darcy, verdict=darcy_verdict)
+
+
+def claims() -> list[Claim]:
+    return (guarded("langevin", "004", "langevin.villani", TEXTS["langevin.villani"], "flowgeom.langevin probe",
+                    _villani_claim)
+            + guarded("langevin", "004", "langevin.darcy", TEXTS["langevin.darcy"], "Darcy experiment", _darcy_claim))

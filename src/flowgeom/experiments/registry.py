@@ -173,6 +173,18 @@ def unavailable(area: str, reason: str, specs: Sequence[tuple[str, str, str]]) -
     return [Claim(area=area, id=cid, seed=seed, text=text, unavailable=reason) for cid, seed, text in specs]
 
 
+def guarded(area: str, seed: str, claim_id: str, text: str, what: str, build: Callable[[], Claim]) -> list[Claim]:
+    """``[build()]``, or one "not run" placeholder saying why ``what`` cannot be set up here.
+
+    ``build`` imports the experiment it needs, so a missing or changed area
+    marks its own claim as not run and never stops the others.
+    """
+    try:
+        return [build()]
+    except Exception as exc:  # noqa: BLE001 - any failure to set up means "not run", with the reason
+        return unavailable(area, f"{what} unavailable ({exc})", [(claim_id, seed, text)])
+
+
 def load_claims(areas: Sequence[str]) -> list[Claim]:
     """Every claim of ``areas`` from their adapter modules ``claims_<area>``.
 
