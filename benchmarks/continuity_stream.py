@@ -6,9 +6,12 @@ Writes a Llama-shaped checkpoint (float32, 7 roles, GQA k/v, shards of 4
 layers + model.safetensors.index.json) of about ``--gb`` GB into a temporary
 folder (deleted afterwards), then in fresh subprocesses measures
 
-* peak RSS (``ru_maxrss``) of the full analysis (float32 compute), minus the
-  RSS of a process that only imports torch and flowgeom, against the model
-  size and the size of two layers of the largest role;
+* peak anonymous RSS of the full analysis (float32 compute, sampled every
+  5 ms from /proc/self/status), against the model size and the size of two
+  layers of the largest role, measured two ways: above a process that only
+  imports torch and flowgeom, and above the same process after it analysed a
+  tiny 2-layer checkpoint first (so BLAS/LAPACK buffers and lazy imports,
+  which do not grow with the model, are already paid);
 * read throughput: every tensor through ``SafetensorsSource.load`` vs a raw
   ``read()`` of the same shard files, both on a warm page cache.
 """
@@ -56,20 +59,28 @@ def write_checkpoint(folder: Path, layers: int, d: int, hidden: int, kv: int, pe
 
 
 CHILD = textwrap.dedent("""
-    import resource, sys, threading, time, torch
+    import sys, threading, time, torch
+    def rss_anon():  # anonymous RSS (excludes mmapped file pages, which are page cache)
+        for line in open("/proc/self/status"):
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
     peak = [0]
-    def sample():  # anonymous RSS (excludes mmapped file pages, which are page cache)
+    def sample():
         while True:
-            for line in open("/proc/self/status"):
-                if line.startswith("RssAnon:"):
-                    peak[0] = max(peak[0], int(line.split()[1]) * 1024)
+            peak[0] = max(peak[0], rss_anon())
             time.sleep(0.005)
     threading.Thread(target=sample, daemon=True).start()
     torch.set_num_threads(int(sys.argv[3]))
+    from threadpoolctl import threadpool_limits
+    threadpool_limits(int(sys.argv[3]), user_api="blas")
     from flowgeom.continuity import AnalyzeConfig, analyze, open_source
     mode, path = sys.argv[1], sys.argv[2]
+    if mode == "analyze-warm":  # tiny checkpoint first, then count only what the big one adds
+        analyze(sys.argv[4], AnalyzeConfig(k=4, dtype="float32"))
+        time.sleep(0.02)
+        base = peak[0] = rss_anon()
     t0 = time.perf_counter()
-    if mode == "analyze":
+    if mode.startswith("analyze"):
         analyze(path, AnalyzeConfig(k=4, dtype="float32"))
     elif mode == "load":
         src = open_source(path)
@@ -82,12 +93,13 @@ CHILD = textwrap.dedent("""
                 while fh.read(1 << 24):
                     pass
     time.sleep(0.02)
-    print(time.perf_counter() - t0, peak[0])
+    print(time.perf_counter() - t0, peak[0] - (base if mode == "analyze-warm" else 0))
 """)
 
 
-def child(mode: str, path: Path, threads: int) -> tuple[float, int]:
-    out = subprocess.run([sys.executable, "-c", CHILD, mode, str(path), str(threads)], capture_output=True, text=True)
+def child(mode: str, path: Path, threads: int, *extra: Path) -> tuple[float, int]:
+    out = subprocess.run([sys.executable, "-c", CHILD, mode, str(path), str(threads), *map(str, extra)],
+                         capture_output=True, text=True)
     if out.returncode:
         raise SystemExit(out.stderr)
     secs, rss = out.stdout.split()[-2:]
@@ -108,12 +120,14 @@ def main() -> None:
     free = shutil.disk_usage(args.dir or tempfile.gettempdir()).free
     if free < 1.5 * layers * per_layer:
         raise SystemExit(f"not enough free disk ({free / 1e9:.1f} GB) for a {layers * per_layer / 1e9:.1f} GB checkpoint")
-    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp, tempfile.TemporaryDirectory() as tiny:
         folder = Path(tmp)
         size = write_checkpoint(folder, layers, args.d, args.hidden, args.kv)
+        write_checkpoint(Path(tiny), 2, 64, 128, 16)
         largest = max(m * n for m, n in shapes(args.d, args.hidden, args.kv).values()) * 4
         _, rss0 = child("none", folder, args.threads)
         t_an, rss = child("analyze", folder, args.threads)
+        _, grown = child("analyze-warm", folder, args.threads, Path(tiny))
         child("raw", folder, args.threads)  # warm the page cache
         t_raw, _ = child("raw", folder, args.threads)
         t_load, rss_load = child("load", folder, args.threads)
@@ -124,6 +138,8 @@ def main() -> None:
         print(f"peak anonymous RSS above import baseline: {(rss - rss0) * mb:.0f} MB  (baseline {rss0 * mb:.0f} MB)")
         print(f"  = {(rss - rss0) / size:.3f} x model size; {(rss - rss0) / (2 * largest):.2f} x two layers of the "
               f"largest role ({2 * largest * mb:.0f} MB float32)")
+        print(f"peak anonymous RSS added by the big checkpoint after a tiny warm-up analysis: {grown * mb:.0f} MB "
+              f"= {grown / (2 * largest):.2f} x two layers of the largest role")
         print(f"read throughput (warm cache): safetensors load {size / t_load / 1e9:.2f} GB/s vs raw read "
               f"{size / t_raw / 1e9:.2f} GB/s (ratio {t_raw / t_load:.2f}); load-only peak RSS "
               f"{(rss_load - rss0) * mb:.0f} MB")

@@ -123,3 +123,46 @@ def test_builtin_minilm_end_to_end():
     report = analyze("builtin:minilm", AnalyzeConfig(k=4, max_layers=3, roles=("q", "o")))
     assert report["scheme"] == "bert" and report["layers"] == 3
     assert report["roles"]["q"]["v1_baseline"] == pytest.approx(0.0407, abs=1e-3)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_solvers_and_no_gram_agree_with_the_default(dtype):
+    """Dense ?syevr, block Krylov and --no-gram give the same per-pair values; --no-gram only drops gram_*."""
+    sd = _planted_state()
+    ref = analyze(sd, AnalyzeConfig(k=3, dtype=dtype, solver="dense"))
+    kry = analyze(sd, AnalyzeConfig(k=3, dtype=dtype, solver="krylov"))
+    lean = analyze(sd, AnalyzeConfig(k=3, dtype=dtype, gram=False))
+    tol = 1e-4 if dtype == "float32" else 1e-8  # top pair; pairs 2..k converge to a 1e-5 residual in Krylov
+    for role, r in ref["roles"].items():
+        assert "gram_in" not in lean["roles"][role]["metrics"] and "gram_in" in r["metrics"]
+        assert lean["roles"][role]["verdict"] == r["verdict"] == kry["roles"][role]["verdict"]
+        for pa, pb, pc in zip(r["pairs"], kry["roles"][role]["pairs"], lean["roles"][role]["pairs"]):
+            for key, t in (("v1", tol), ("u1", tol), ("subspace_in", 1e-4), ("subspace_out", 1e-4)):
+                assert pa[key] == pytest.approx(pb[key], abs=t) and pa[key] == pytest.approx(pc[key], abs=t)
+
+
+def test_analysis_restores_torch_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        analyze(_planted_state(layers=3), AnalyzeConfig(k=2))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_cli_solver_no_gram_and_threads(tmp_path, capsys):
+    path = tmp_path / "m.safetensors"
+    save_file(_planted_state(), path)
+    assert main(["continuity", "analyze", str(path), "--json", "--k", "2", "--solver", "krylov", "--no-gram",
+                 "--threads", "1"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["config"]["solver"] == "krylov" and report["config"]["gram"] is False
+    assert "gram_out" not in report["roles"]["q"]["pairs"][0]
+    assert main(["continuity", "analyze", str(path), "--k", "2", "--no-gram"]) == 0
+    table = capsys.readouterr().out
+    assert "gram in" not in table and "sub in" in table
+    with pytest.raises(SystemExit) as exc:  # argparse choices
+        main(["continuity", "analyze", str(path), "--solver", "qr"])
+    assert exc.value.code == 2
+    assert main(["continuity", "analyze", str(path), "--threads", "0"]) == 2

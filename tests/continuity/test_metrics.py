@@ -76,3 +76,20 @@ def test_v1_u1_cos_planted_and_sign_invariant():
 def test_space_mismatch_is_a_clear_error():
     with pytest.raises(FlowgeomError, match="input dimension"):
         v1_cos(torch.randn(4, 5), torch.randn(4, 6))
+
+
+@settings(max_examples=12, deadline=None)
+@given(m=st.integers(1, 30), m2=st.integers(1, 30), n=st.integers(1, 30), transposed=st.booleans(),
+       dtype=st.sampled_from(["float32", "float64"]), seed=st.integers(0, 999))
+def test_blas_cross_product_matches_matmul(m, m2, n, transposed, dtype, seed):
+    """scipy ?gemm with transposition flags on .T views equals torch's product, for any memory layout."""
+    from flowgeom.continuity._blas import cross_product
+
+    g = torch.Generator().manual_seed(seed)
+    dt = getattr(torch, dtype)
+    A = torch.randn(n, m, generator=g, dtype=dt).mT if transposed else torch.randn(m, n, generator=g, dtype=dt)
+    B = torch.randn(m2, n, generator=g, dtype=dt)
+    rtol = 1e-5 if dtype == "float32" else 1e-12
+    assert torch.allclose(cross_product(A, B, "in").double(), A.double() @ B.double().mT, rtol=rtol, atol=rtol * n)
+    C = torch.randn(m, m2, generator=g, dtype=dt)
+    assert torch.allclose(cross_product(A, C, "out").double(), A.double().mT @ C.double(), rtol=rtol, atol=rtol * m)

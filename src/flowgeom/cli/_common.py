@@ -81,11 +81,13 @@ def positive_float(text: str) -> float:
 
 
 def apply_threads(n: int | None) -> None:
-    """Set torch's CPU threads from ``--threads`` (None keeps torch's default)."""
+    """Set the CPU threads of torch and of scipy's BLAS from ``--threads`` (None keeps the defaults)."""
     if n is None:
         return
     if n < 1:
         raise FlowgeomError(f"--threads must be >= 1, got {n}")
     import torch
+    from threadpoolctl import threadpool_limits
 
     torch.set_num_threads(n)
+    threadpool_limits(limits=n, user_api="blas")  # process-wide: scipy's bundled OpenBLAS (syrk, ?syevr)

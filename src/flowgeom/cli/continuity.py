@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from flowgeom.cli._common import add_device, add_json, add_seed, area, command, console, print_json, resolve_device
+from flowgeom.cli._common import add_device, add_json, apply_threads, add_seed, area, command, console, print_json, resolve_device
 from flowgeom.errors import FlowgeomError
 
 TABLE_METRICS = (("v1", "v1"), ("u1", "u1"), ("subspace_in", "sub in"), ("subspace_out", "sub out"),
@@ -53,12 +53,13 @@ def print_report(report: dict) -> None:
                         f"distance {cfg['distances'][0]}, k={cfg['k']}, {cfg['baseline']} baseline)")
     table.add_column("role")
     table.add_column("shape")
-    for _, label in TABLE_METRICS:
+    shown = [(key, label) for key, label in TABLE_METRICS if all(key in r["metrics"] for r in report["roles"].values())]
+    for _, label in shown:
         table.add_column(label + "  mean±sd (base, ×)", justify="right")
     table.add_column("verdict")
     for role, r in report["roles"].items():
         cells = []
-        for key, _ in TABLE_METRICS:
+        for key, _ in shown:
             m = r["metrics"][key]
             cells.append(f"{m['mean']:.3f}±{m['std']:.3f} ({m['baseline']:.3f}, {m['ratio']:.1f}×)")
         table.add_row(role, "×".join(map(str, r["shape"])), *cells, r["verdict"])
@@ -78,13 +79,15 @@ def run_analyze(args: argparse.Namespace) -> int:
     from flowgeom.continuity.naming import parse_role_option
     from flowgeom.runs import atomic_write_bytes, atomic_write_json
 
+    apply_threads(args.threads)
     device = resolve_device(args.device)
     fmt = figure_format(args.figure) if args.figure else None
     custom = dict(parse_role_option(text) for text in args.role) if args.role else None
     config = AnalyzeConfig(
         k=args.k, distances=args.distance, roles=tuple(args.roles.split(",")) if args.roles else None,
         max_layers=args.max_layers, device=str(device), dtype=args.dtype, baseline=args.baseline,
-        draws=args.draws, seed=args.seed, batch=args.batch, threshold=args.threshold,
+        draws=args.draws, seed=args.seed, batch=args.batch, threshold=args.threshold, solver=args.solver,
+        gram=not args.no_gram,
     )
     bar, update = _progress(not args.json)
     if bar is not None:
@@ -129,10 +132,17 @@ def add_analyze(verbs) -> None:
     p.add_argument("--max-layers", type=int, metavar="N", help="only the first N layers of each role")
     p.add_argument("--dtype", default="float32", choices=("float64", "float32"),
                    help="compute dtype (default float32: on SmolLM2 its cosines match a float64 full SVD to 5e-7, 15x faster)")
+    p.add_argument("--solver", default="auto", choices=("auto", "krylov", "dense"),
+                   help="top-k eigensolver on each small-side Gram: block Krylov, LAPACK partial ?syevr (CPU), or "
+                        "auto = dense on CPU up to d=1536, else Krylov (default)")
+    p.add_argument("--no-gram", action="store_true",
+                   help="skip the sigma^2-Gram similarity (its off-side cross product is ~1/3 of the CPU time; the "
+                        "other metrics then keep one matrix in memory instead of two)")
     p.add_argument("--baseline", default="analytic", choices=("analytic", "montecarlo"),
                    help="random-matrix baseline: closed form (default) or Gaussian draws of the same shapes")
     p.add_argument("--draws", type=int, default=8, help="Monte-Carlo draws (default 8)")
     p.add_argument("--batch", type=int, default=1, help="layers stacked per batched call (default 1 = least memory)")
+    p.add_argument("--threads", type=int, help="CPU threads for torch and scipy's BLAS (default: all cores)")
     p.add_argument("--threshold", type=float, default=3.0, help="ratio to baseline that counts as continuous (default 3)")
 
 

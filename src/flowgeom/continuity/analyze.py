@@ -19,7 +19,8 @@ mean over L-1 random pairs of |cos| has relative spread ~0.75/sqrt(L-1).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -28,7 +29,7 @@ from flowgeom.continuity.baselines import METRICS, analytic_baselines, monte_car
 from flowgeom.continuity.metrics import gram_fro, gram_numerator, pair_metrics
 from flowgeom.continuity.naming import MatrixRef, resolve_roles
 from flowgeom.continuity.sources import TensorSource, open_source
-from flowgeom.continuity.spectra import pairs_from_gram, small_gram
+from flowgeom.continuity.spectra import SOLVERS, pairs_from_gram, small_gram
 from flowgeom.errors import FlowgeomError, choice_error
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
@@ -49,6 +50,8 @@ class AnalyzeConfig:
     batch: int = 1  # layers stacked per batched call (memory ~ batch + max distance matrices)
     threshold: float = 3.0  # verdict: ratio to baseline counted as continuous
     tol: float = 1e-10  # Krylov residual tolerance (relative to sigma_1^2)
+    solver: str = "auto"  # top-k eigenpairs of the Gram: auto | krylov | dense (see spectra.py)
+    gram: bool = True  # sigma^2-Gram similarity: an exact m n^2 cross product per pair off the small side
 
     def __post_init__(self):
         for name in ("k", "batch", "draws"):
@@ -61,6 +64,8 @@ class AnalyzeConfig:
             raise FlowgeomError(f"--max-layers must be >= 2 (pairs need two layers), got {self.max_layers}")
         if self.dtype not in DTYPES:
             raise choice_error("dtype", self.dtype, DTYPES)
+        if self.solver not in SOLVERS:
+            raise choice_error("solver", self.solver, SOLVERS)
         if self.baseline not in BASELINES:
             raise choice_error("baseline", self.baseline, BASELINES)
         if not self.threshold > 1:
@@ -78,8 +83,8 @@ def verdict(r_in: float | None, r_out: float | None, threshold: float) -> str:
 @dataclass
 class _LayerState:
     layer: int
-    matrix: torch.Tensor  # (m, n) compute dtype, on device
-    gram: torch.Tensor  # small-side Gram
+    matrix: torch.Tensor | None  # (m, n) compute dtype, on device (None with gram=False)
+    gram: torch.Tensor | None  # small-side Gram (None with gram=False)
     fro: torch.Tensor  # ||A^T A||_F
     pairs: object  # SingularPairs of this matrix
 
@@ -105,6 +110,7 @@ class Analyzer:
         self.layout = resolve_roles(source.shapes, custom=custom, only=config.roles)
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.dtype]
+        self.metrics = METRICS if config.gram else tuple(m for m in METRICS if not m.startswith("gram_"))
         for role, refs in self.layout.roles.items():
             refs = refs[: config.max_layers] if config.max_layers else refs
             self.layout.roles[role] = refs
@@ -124,18 +130,21 @@ class Analyzer:
         mats = loaded[0].unsqueeze(0) if len(loaded) == 1 else torch.stack(loaded)  # (B, m, n), no copy for B = 1
         del loaded
         grams, side = small_gram(mats)
-        pairs = pairs_from_gram(mats, grams, side, self.config.k, tol=self.config.tol, seed=self.config.seed)
+        pairs = pairs_from_gram(mats, grams, side, self.config.k, solver=self.config.solver, tol=self.config.tol,
+                                seed=self.config.seed)
         fros = gram_fro(mats, grams)
         self._side = side
+        if not self.config.gram:  # pairs only need the factors: drop the matrix and Gram right away
+            return [_LayerState(r.layer, None, None, fros[i], pairs[i]) for i, r in enumerate(refs)]
         return [_LayerState(r.layer, mats[i], grams[i], fros[i], pairs[i]) for i, r in enumerate(refs)]
 
     def _pair(self, a: _LayerState, b: _LayerState, d: int) -> dict:
         rec = {"a": a.layer, "b": b.layer, "distance": d}
         vals = pair_metrics(a.pairs, b.pairs)
-        for space in ("in", "out"):
+        for space in ("in", "out") if self.config.gram else ():
             num = gram_numerator(a.matrix, b.matrix, space, gram_a=a.gram, gram_b=b.gram, side=self._side)
             vals[f"gram_{space}"] = num / (a.fro * b.fro)
-        rec.update({key: float(vals[key]) for key in METRICS})
+        rec.update({key: float(vals[key]) for key in self.metrics})
         gap_a, gap_b = float(a.pairs.gap), float(b.pairs.gap)
         rec.update(gap_a=gap_a, gap_b=gap_b)
         return rec
@@ -170,14 +179,14 @@ class Analyzer:
         base, base_std = self.baselines(shape)
         first = self.config.distances[0]
         metrics = {}
-        for key in METRICS:
+        for key in self.metrics:
             st = _stats([p[key] for p in run.pairs if p["distance"] == first])
             st.update(baseline=base[key], ratio=st["mean"] / base[key])
             if key in base_std:
                 st["baseline_std"] = base_std[key]
             metrics[key] = st
         by_distance = {str(d): {key: _stats([p[key] for p in run.pairs if p["distance"] == d])["mean"]
-                                for key in METRICS} for d in self.config.distances}
+                                for key in self.metrics} for d in self.config.distances}
         r_in, r_out = metrics["v1"]["ratio"], metrics["u1"]["ratio"]
         return {
             "shape": list(shape), "layers": [r.layer for r in run.refs], "tensors": [r.tensor for r in run.refs],
@@ -188,6 +197,27 @@ class Analyzer:
             "min_gap": min(s["gap"] for s in run.spectra),
             "metrics": metrics, "by_distance": by_distance, "pairs": run.pairs, "spectra": run.spectra,
         }
+
+
+@contextmanager
+def torch_threads(device: torch.device) -> Iterator[None]:
+    """Run torch single-threaded on CPU for the duration (restored after).
+
+    The CPU heavy lifting (Gram syrk, cross gemm, ?syevr) runs in scipy's
+    BLAS/LAPACK; torch only does small glue ops there. With several torch
+    threads, libgomp's workers spin-wait after each tiny op and steal the
+    cores from the LAPACK call that follows: on a 2-vCPU VM the SmolLM2
+    analysis went from 3.7 s to 10.6 s. ``--threads`` sets the BLAS threads.
+    """
+    if device.type != "cpu":
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def analyze(source, config: AnalyzeConfig | None = None, *, custom_roles: Mapping[str, str] | None = None,
@@ -203,15 +233,16 @@ def analyze(source, config: AnalyzeConfig | None = None, *, custom_roles: Mappin
     analyzer = Analyzer(src, config, custom_roles)
     t0 = time.perf_counter()
     roles = {}
-    for role, refs in analyzer.layout.roles.items():
-        done = [0]
+    with torch_threads(analyzer.device):
+        for role, refs in analyzer.layout.roles.items():
+            done = [0]
 
-        def tick(n: int, role=role, refs=refs, done=done) -> None:
-            done[0] += n
-            if progress:
-                progress(role, done[0], len(refs))
+            def tick(n: int, role=role, refs=refs, done=done) -> None:
+                done[0] += n
+                if progress:
+                    progress(role, done[0], len(refs))
 
-        roles[role] = analyzer.summarise(role, analyzer.run_role(role, tick))
+            roles[role] = analyzer.summarise(role, analyzer.run_role(role, tick))
     if analyzer.device.type == "cuda":
         torch.cuda.synchronize()
     return {
