@@ -59,12 +59,13 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4, help="layers per batched call")
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--no-svd", action="store_true", help="skip the full-SVD comparison")
+    ap.add_argument("--no-gram", action="store_true", help="analyzer without the sigma^2-Gram similarity")
     args = ap.parse_args()
     device = torch.device(args.device)
     scale = args.scale if args.scale is not None else (1.0 if device.type == "cuda" else 1 / 16)
     sd = make_state(args.layers, scale, device)
     gb = sum(t.numel() * 2 for t in sd.values()) / 1e9
-    cfg = AnalyzeConfig(k=args.k, device=str(device), dtype="float32", batch=args.batch)
+    cfg = AnalyzeConfig(k=args.k, device=str(device), dtype="float32", batch=args.batch, gram=not args.no_gram)
     if device.type == "cuda":  # warm-up (kernels, cuSOLVER handles) on two layers
         analyze({k: v for k, v in sd.items() if ".layers.0." in k or ".layers.1." in k}, cfg)
     sync(device)
@@ -73,7 +74,7 @@ def main() -> None:
     sync(device)
     t_fast = time.perf_counter() - t0
     print(f"{args.layers} layers x 7 roles, scale {scale:g} ({gb:.1f} GB bf16) on {device}: "
-          f"analyzer {t_fast:.2f}s (k={args.k}, batch {args.batch}, float32)")
+          f"analyzer {t_fast:.2f}s (k={args.k}, batch {args.batch}, float32{', no gram' if args.no_gram else ''})")
     if args.no_svd:
         return
     t0 = time.perf_counter()

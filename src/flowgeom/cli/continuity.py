@@ -131,18 +131,19 @@ def add_analyze(verbs) -> None:
                    help="layer distances (default 1 = adjacent); the first drives table and verdict")
     p.add_argument("--max-layers", type=int, metavar="N", help="only the first N layers of each role")
     p.add_argument("--dtype", default="float32", choices=("float64", "float32"),
-                   help="compute dtype (default float32: on SmolLM2 its cosines match a float64 full SVD to 5e-7, 15x faster)")
+                   help="compute dtype (default float32: on SmolLM2 its cosines match a float64 full SVD to 1e-6)")
     p.add_argument("--solver", default="auto", choices=("auto", "krylov", "dense"),
                    help="top-k eigensolver on each small-side Gram: block Krylov, LAPACK partial ?syevr (CPU), or "
                         "auto = dense on CPU up to d=1536, else Krylov (default)")
     p.add_argument("--no-gram", action="store_true",
-                   help="skip the sigma^2-Gram similarity (its off-side cross product is ~1/3 of the CPU time; the "
-                        "other metrics then keep one matrix in memory instead of two)")
+                   help="skip the sigma^2-Gram similarity (its exact off-side cross product is ~30%% of the CPU time "
+                        "on SmolLM2; the other metrics then keep no raw matrix between layers)")
     p.add_argument("--baseline", default="analytic", choices=("analytic", "montecarlo"),
                    help="random-matrix baseline: closed form (default) or Gaussian draws of the same shapes")
     p.add_argument("--draws", type=int, default=8, help="Monte-Carlo draws (default 8)")
     p.add_argument("--batch", type=int, default=1, help="layers stacked per batched call (default 1 = least memory)")
-    p.add_argument("--threads", type=int, help="CPU threads for torch and scipy's BLAS (default: all cores)")
+    p.add_argument("--threads", type=int, help="CPU threads of scipy's BLAS/LAPACK, which does the heavy products "
+                                                "(torch glue stays at 1 thread on CPU; default: all cores)")
     p.add_argument("--threshold", type=float, default=3.0, help="ratio to baseline that counts as continuous (default 3)")
 
 
