@@ -93,3 +93,19 @@ def test_blas_cross_product_matches_matmul(m, m2, n, transposed, dtype, seed):
     assert torch.allclose(cross_product(A, B, "in").double(), A.double() @ B.double().mT, rtol=rtol, atol=rtol * n)
     C = torch.randn(m, m2, generator=g, dtype=dt)
     assert torch.allclose(cross_product(A, C, "out").double(), A.double().mT @ C.double(), rtol=rtol, atol=rtol * m)
+
+
+def test_cpu_threads_sets_and_restores_both_pools():
+    from flowgeom.continuity._blas import _controller, cpu_threads
+
+    blas = lambda: {lib.num_threads for lib in _controller().select(user_api="blas").lib_controllers}  # noqa: E731
+    before_torch, before_blas = torch.get_num_threads(), blas()
+    torch.set_num_threads(2)
+    try:
+        with cpu_threads(1):
+            assert torch.get_num_threads() == 1 and blas() == {1}
+        assert torch.get_num_threads() == 2
+        _controller.cache_clear()  # a fresh scan must see the original BLAS limits again
+        assert blas() == before_blas
+    finally:
+        torch.set_num_threads(before_torch)

@@ -4,11 +4,13 @@
   triangle: half the flops of ``X.mT @ X`` (torch has no syrk).
 * ``cross_product``: ``A B^T`` or ``A^T B`` by ``?gemm``.
 
-Why not torch for the second: on CPU the analyzer runs torch single-threaded
-(see ``analyze.torch_threads``) because libgomp's spin-waiting workers slow every
-LAPACK call that follows a torch op (measured 3.5x on a 2-vCPU VM); the heavy
-products therefore go to scipy's OpenBLAS, whose threads ``--threads`` sets
-through ``threadpoolctl``.
+Why not torch for the second: while these kernels run, torch is kept
+single-threaded (:func:`cpu_threads`) because libgomp's spin-waiting workers
+slow every LAPACK call that follows a torch op (the SmolLM2 analysis went
+from 2.6 s to 10.6 s with torch at 2 threads on a 2-vCPU VM), and OpenBLAS's
+own spinning workers slow the torch ops that follow in a training loop (the
+quick continuity experiments ran 3x slower). The heavy products therefore go
+to scipy's OpenBLAS, whose thread count :func:`cpu_threads` sets.
 
 A C-ordered (m, n) array is the Fortran-ordered (n, m) matrix ``X^T``, so every
 call below passes ``.T`` views and BLAS transposition flags: no copies.
@@ -16,12 +18,40 @@ call below passes ``.T`` views and BLAS transposition flags: no copies.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import cache
+
 import numpy as np
 import torch
 from scipy.linalg import blas
+from threadpoolctl import ThreadpoolController
 
 _SYRK = {torch.float32: blas.ssyrk, torch.float64: blas.dsyrk}
 _GEMM = {torch.float32: blas.sgemm, torch.float64: blas.dgemm}
+
+
+@cache
+def _controller() -> ThreadpoolController:
+    return ThreadpoolController()  # scans the loaded libraries once (~1 ms); limit() is then ~10 us
+
+
+@contextmanager
+def cpu_threads(blas_threads: int | None = None) -> Iterator[None]:
+    """Torch at one thread and scipy's BLAS at ``blas_threads`` (None: unchanged) for the duration.
+
+    Both are restored afterwards, so a training loop around a measurement keeps its own settings.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        if blas_threads is None:
+            yield
+        else:
+            with _controller().limit(limits=blas_threads, user_api="blas"):
+                yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def supported(*tensors: torch.Tensor) -> bool:

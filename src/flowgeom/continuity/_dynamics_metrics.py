@@ -9,8 +9,11 @@ convergence guard.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 
+from flowgeom.continuity import _blas
 from flowgeom.continuity.baselines import analytic_baselines
 from flowgeom.continuity.metrics import abs_cos, gram_similarity_in, gram_similarity_out, pair_metrics
 from flowgeom.continuity.spectra import SingularPairs, full_singular_pairs, top_singular_pairs
@@ -44,11 +47,15 @@ def stack_pair_metrics(stack: torch.Tensor, *, k: int, seed: int) -> dict[str, t
     gram_in gram_out`` (each (L-1,)) and ``v_idx``/``u_idx`` (L-1, k), the
     ``|cos|`` of the i-th singular vectors.
     """
-    p = checked_pairs(stack, k, seed)
+    # Inside a training loop: one BLAS thread and one torch thread while measuring, so neither
+    # library's spin-waiting workers slow the other's next call (_blas.cpu_threads).
+    with _blas.cpu_threads(1) if stack.device.type == "cpu" else nullcontext():
+        p = checked_pairs(stack, k, seed)
+        gram_in = gram_similarity_in(stack[:-1], stack[1:])
+        gram_out = gram_similarity_out(stack[:-1], stack[1:])
     a, b = p[:-1], p[1:]
     out = dict(pair_metrics(a, b))
-    out["gram_in"] = gram_similarity_in(stack[:-1], stack[1:])
-    out["gram_out"] = gram_similarity_out(stack[:-1], stack[1:])
+    out["gram_in"], out["gram_out"] = gram_in, gram_out
     out["v_idx"] = abs_cos(a.V.mT, b.V.mT)  # (L-1, k)
     out["u_idx"] = abs_cos(a.U.mT, b.U.mT)  # (L-1, k)
     return out

@@ -19,12 +19,13 @@ mean over L-1 random pairs of |cos| has relative spread ~0.75/sqrt(L-1).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 
 import torch
 
+from flowgeom.continuity import _blas
 from flowgeom.continuity.baselines import METRICS, analytic_baselines, monte_carlo_baselines
 from flowgeom.continuity.metrics import gram_fro, gram_numerator, pair_metrics
 from flowgeom.continuity.naming import MatrixRef, resolve_roles
@@ -199,27 +200,6 @@ class Analyzer:
         }
 
 
-@contextmanager
-def torch_threads(device: torch.device) -> Iterator[None]:
-    """Run torch single-threaded on CPU for the duration (restored after).
-
-    The CPU heavy lifting (Gram syrk, cross gemm, ?syevr) runs in scipy's
-    BLAS/LAPACK; torch only does small glue ops there. With several torch
-    threads, libgomp's workers spin-wait after each tiny op and steal the
-    cores from the LAPACK call that follows: on a 2-vCPU VM the SmolLM2
-    analysis went from 3.7 s to 10.6 s. ``--threads`` sets the BLAS threads.
-    """
-    if device.type != "cpu":
-        yield
-        return
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def analyze(source, config: AnalyzeConfig | None = None, *, custom_roles: Mapping[str, str] | None = None,
             progress: Callable[[str, int, int], None] | None = None) -> dict:
     """Analyse ``source`` (module, mapping, path, ``builtin:…``); returns the JSON-ready report.
@@ -233,7 +213,8 @@ def analyze(source, config: AnalyzeConfig | None = None, *, custom_roles: Mappin
     analyzer = Analyzer(src, config, custom_roles)
     t0 = time.perf_counter()
     roles = {}
-    with torch_threads(analyzer.device):
+    # CPU: torch glue single-threaded, BLAS threads as the caller set them (see _blas.cpu_threads)
+    with _blas.cpu_threads() if analyzer.device.type == "cpu" else nullcontext():
         for role, refs in analyzer.layout.roles.items():
             done = [0]
 
