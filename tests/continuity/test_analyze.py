@@ -87,6 +87,7 @@ def test_cli_json_figure_and_out(tmp_path, capsys):
     (lambda sd: sd.__setitem__("model.layers.3.mlp.down_proj.weight", torch.full((48, 64), float("nan"))), "NaN"),
     (lambda sd: sd.__setitem__("model.layers.3.mlp.down_proj.weight", torch.zeros(48, 65)), "changes shape"),
     (lambda sd: [sd.pop(k) for k in list(sd) if ".layers.0." not in k], "only 1 layer"),
+    (lambda sd: sd.__setitem__("model.layers.2.self_attn.q_proj.weight", torch.zeros(48, 48)), "all zeros"),
 ])
 def test_cli_bad_input_exit_2_and_writes_nothing(tmp_path, capsys, mutate, msg):
     sd = _planted_state()

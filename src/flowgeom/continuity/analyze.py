@@ -134,6 +134,11 @@ class Analyzer:
         pairs = pairs_from_gram(mats, grams, side, self.config.k, solver=self.config.solver, tol=self.config.tol,
                                 seed=self.config.seed)
         fros = gram_fro(mats, grams)
+        for ref, fro in zip(refs, fros.tolist()):
+            if fro == 0:
+                raise FlowgeomError(f"{ref.tensor} (role {ref.role}, layer {ref.layer}) is all zeros: its singular "
+                                    "vectors are undefined; leave the role out with --roles, or analyse a checkpoint "
+                                    "where it has been trained")
         self._side = side
         if not self.config.gram:  # pairs only need the factors: drop the matrix and Gram right away
             return [_LayerState(r.layer, None, None, fros[i], pairs[i]) for i, r in enumerate(refs)]
