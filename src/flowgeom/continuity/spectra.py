@@ -62,7 +62,7 @@ from flowgeom.errors import FlowgeomError, choice_error
 
 F64 = torch.float64
 SOLVERS = ("auto", "krylov", "dense")
-DENSE_MAX_DIM = 1536  # CPU crossover dense ?syevr vs block Krylov (benchmarks/continuity_speed.py --solvers)
+DENSE_MAX_DIM = 1536  # CPU crossover dense ?syevr vs block Krylov (benchmarks/continuity_solvers.py)
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ def _check_k(k: int, m: int, n: int) -> None:
 
 
 def krylov_top_eigenpairs(G: torch.Tensor, k: int, *, oversample: int = 8, max_depth: int = 200, tol: float = 1e-10,
-                   tol_rest: float = 1e-5, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+                          tol_rest: float = 1e-5, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """Top ``k`` eigenpairs of symmetric PSD ``G`` (L d d) by randomised block Krylov + Rayleigh-Ritz.
 
     The projected matrix ``T = K^T G K`` is grown block by block (cost d D b
