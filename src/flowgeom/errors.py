@@ -21,6 +21,14 @@ def choice_error(what: str, value: object, options: Iterable[object]) -> Flowgeo
     return FlowgeomError(f"unknown {what} {value!r}; choose one of: {listed}")
 
 
+def require_choices(obj: object, **options: Iterable[object]) -> None:
+    """Raise :func:`choice_error` for the first field ``name`` of ``obj`` not in ``options[name]``."""
+    for name, allowed in options.items():
+        value = getattr(obj, name)
+        if value not in allowed:
+            raise choice_error(name, value, allowed)
+
+
 def require(condition: bool, message: str) -> None:
     """Raise :class:`FlowgeomError` with ``message`` unless ``condition``."""
     if not condition:

@@ -31,7 +31,7 @@ from flowgeom.continuity.metrics import gram_fro, gram_numerator, pair_metrics
 from flowgeom.continuity.naming import MatrixRef, resolve_roles
 from flowgeom.continuity.sources import TensorSource, open_source
 from flowgeom.continuity.spectra import SOLVERS, pairs_from_gram, small_gram
-from flowgeom.errors import FlowgeomError, choice_error
+from flowgeom.errors import FlowgeomError, require_choices
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
 BASELINES = ("analytic", "montecarlo")
@@ -63,12 +63,7 @@ class AnalyzeConfig:
             raise FlowgeomError(f"--distance must be positive integers, got {list(self.distances)}")
         if self.max_layers is not None and self.max_layers < 2:
             raise FlowgeomError(f"--max-layers must be >= 2 (pairs need two layers), got {self.max_layers}")
-        if self.dtype not in DTYPES:
-            raise choice_error("dtype", self.dtype, DTYPES)
-        if self.solver not in SOLVERS:
-            raise choice_error("solver", self.solver, SOLVERS)
-        if self.baseline not in BASELINES:
-            raise choice_error("baseline", self.baseline, BASELINES)
+        require_choices(self, dtype=DTYPES, solver=SOLVERS, baseline=BASELINES)
         if not self.threshold > 1:
             raise FlowgeomError(f"--threshold must be > 1 (a ratio to chance), got {self.threshold}")
 

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flowgeom.errors import FlowgeomError, choice_error
+from flowgeom.errors import FlowgeomError, choice_error, require_choices
 from flowgeom.laws.monitor import ConservationMonitor, warn_plain_gd_only
 from flowgeom.runs import RunFolder
 
@@ -95,16 +95,7 @@ class ConservationConfig:
     device: str = "cpu"
 
     def __post_init__(self):
-        if self.task not in TASKS:
-            raise choice_error("task", self.task, TASKS)
-        if self.optimizer not in OPTIMIZERS:
-            raise choice_error("optimizer", self.optimizer, OPTIMIZERS)
-        if self.schedule not in SCHEDULES:
-            raise choice_error("schedule", self.schedule, SCHEDULES)
-        if self.dtype not in DTYPES:
-            raise choice_error("dtype", self.dtype, DTYPES)
-        if self.mlp not in ("swiglu", "moe"):
-            raise choice_error("mlp", self.mlp, ("swiglu", "moe"))
+        require_choices(self, task=TASKS, optimizer=OPTIMIZERS, schedule=SCHEDULES, dtype=DTYPES, mlp=("swiglu", "moe"))
         for name in ("steps", "batch", "log_every", "checkpoint_every", "d_model", "n_layers", "heads", "d_k",
                      "d_hidden", "seq_len", "experts", "n_train", "patch"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:

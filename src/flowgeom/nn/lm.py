@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from flowgeom.errors import FlowgeomError, choice_error
+from flowgeom.errors import FlowgeomError, require_choices
 from flowgeom.nn.attention import POSITIONS, MultiHeadAttention, sinusoidal_table
 from flowgeom.nn.feedforward import ACTIVATIONS, FeedForward, SwiGLU
 from flowgeom.nn.moe import GATES, MixtureOfExperts
@@ -50,14 +50,7 @@ class LMConfig:
         for name in ("vocab", "d_model", "n_layers", "heads", "d_k", "d_hidden", "seq_len", "experts"):
             if getattr(self, name) < 1:
                 raise FlowgeomError(f"{name} must be ≥ 1, got {getattr(self, name)}")
-        if self.positions not in POSITIONS:
-            raise choice_error("positions", self.positions, POSITIONS)
-        if self.mlp not in MLPS:
-            raise choice_error("mlp", self.mlp, MLPS)
-        if self.norm not in NORMS:
-            raise choice_error("norm", self.norm, NORMS)
-        if self.gate not in GATES:
-            raise choice_error("gate", self.gate, GATES)
+        require_choices(self, positions=POSITIONS, mlp=MLPS, norm=NORMS, gate=GATES)
         if self.positions == "rope" and self.d_k % 2:
             raise FlowgeomError(f"RoPE needs an even d_k, got {self.d_k}")
         if self.top_k is not None and not 1 <= self.top_k <= self.experts:
