@@ -3,16 +3,25 @@
 Each area lives in its own module with a ``register(subparsers)`` function;
 this module only wires them together and turns :class:`FlowgeomError` into
 one line on stderr and exit code 2 (never a traceback).
+
+Anything else that escapes a command is a bug: the last-resort guard prints
+one line ``flowgeom: internal error: <Type>: <msg> — rerun with --debug for
+the traceback`` and exits 1; ``flowgeom --debug ...`` or ``FLOWGEOM_DEBUG=1``
+prints the traceback too. Ctrl-C exits 130; argparse's own exits (``--help``
+0, usage errors 2) pass through unchanged.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+import traceback
 from collections.abc import Sequence
 
 from flowgeom import __version__
+from flowgeom.cli._common import OneLineParser
 from flowgeom.errors import FlowgeomError
 
 # (module, area) in the order `flowgeom --help` lists them.
@@ -20,7 +29,7 @@ AREAS = ("laws", "conserve", "continuity", "langevin", "reproduce", "demo")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="flowgeom",
         description="Geometry of training dynamics: conservation laws, cross-layer continuity, "
         "convergent Langevin training.",
@@ -28,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"flowgeom {__version__}")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the Python traceback of an unexpected error (also FLOWGEOM_DEBUG=1)")
     sub = parser.add_subparsers(dest="area", metavar="AREA")
     for area in AREAS:
         module = importlib.import_module(f"flowgeom.cli.{area}")
@@ -35,22 +46,47 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+INTERNAL_ERROR = "internal error"  # the guard's marker; tests/hostile assert it never appears
+
+
+def _debug_wanted(argv: Sequence[str]) -> bool:
+    env = os.environ.get("FLOWGEOM_DEBUG", "").strip().lower()
+    return env not in ("", "0", "false", "no", "off") or "--debug" in argv[:1]
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        # `flowgeom` or `flowgeom AREA` alone: show the relevant help.
-        target = getattr(args, "_area_parser", parser)
-        target.print_help()
-        return 2
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = _debug_wanted(argv)
     try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if not getattr(args, "func", None):
+            # `flowgeom` or `flowgeom AREA` alone: show the relevant help.
+            target = getattr(args, "_area_parser", parser)
+            target.print_help()
+            return 2
         return int(args.func(args) or 0)
     except FlowgeomError as exc:
-        print(f"flowgeom: error: {exc}", file=sys.stderr)
+        if debug:
+            traceback.print_exc()
+        print(f"flowgeom: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("flowgeom: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:  # noqa: BLE001 - the last-resort guard: one line, never a raw traceback
+        if debug:
+            traceback.print_exc()
+            print(f"flowgeom: {INTERNAL_ERROR}: {_one_line(exc)}", file=sys.stderr)
+        else:
+            print(f"flowgeom: {INTERNAL_ERROR}: {_one_line(exc)} — rerun with --debug for the traceback",
+                  file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from flowgeom.errors import FlowgeomError
@@ -35,8 +37,17 @@ def add_json(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON instead of a table")
 
 
-def add_seed(parser: argparse.ArgumentParser, default: int = 0) -> None:
-    parser.add_argument("--seed", type=int, default=default, help=f"random seed (default {default})")
+def add_seed(parser: argparse.ArgumentParser, default: int | None = 0, *, help: str | None = None) -> None:
+    shown = "0" if default is None else default
+    parser.add_argument("--seed", type=seed, default=default,
+                        help=help or f"random seed, 0 <= seed < 2**63 (default {shown})")
+
+
+def add_threads(parser: argparse.ArgumentParser, default: int | None = 1, *, help: str | None = None) -> None:
+    """``--threads N`` with 1 <= N <= the CPUs of this machine (checked when parsed)."""
+    shown = "torch's" if default is None else default
+    parser.add_argument("--threads", type=threads, default=default,
+                        help=help or f"torch CPU threads, 1..{_cpus()} (default {shown})")
 
 
 def add_device(parser: argparse.ArgumentParser) -> None:
@@ -53,8 +64,30 @@ def resolve_device(name: str):
     return torch.device(name)
 
 
+def _finite_or_none(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite_or_none(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_finite_or_none(v) for v in obj]
+    return obj
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"non-finite {name}")
+
+
 def print_json(payload: Any) -> None:
-    sys.stdout.write(to_json(payload, indent=2) + "\n")
+    """``payload`` as strict JSON on stdout: NaN and ±inf become ``null`` (no parser accepts them)."""
+    import json
+
+    text = to_json(payload, indent=2)
+    try:
+        json.loads(text, parse_constant=_refuse_constant)
+    except ValueError:  # NaN/Infinity somewhere: null them (Python's json reads them back as floats)
+        text = json.dumps(_finite_or_none(json.loads(text)), indent=2, allow_nan=False)
+    sys.stdout.write(text + "\n")
 
 
 def console():
@@ -67,27 +100,177 @@ def console():
     return Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
 
 
-def positive_float(text: str) -> float:
-    """argparse type: a finite number > 0 (usage error, exit 2, otherwise)."""
-    import math
-
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
-
-
 def apply_threads(n: int | None) -> None:
     """Set the CPU threads of torch and of scipy's BLAS from ``--threads`` (None keeps the defaults)."""
     if n is None:
         return
-    if n < 1:
-        raise FlowgeomError(f"--threads must be >= 1, got {n}")
+    if not 1 <= n <= _cpus():
+        raise FlowgeomError(f"--threads must be between 1 and {_cpus()} (the CPUs of this machine), got {n}")
     import torch
     from threadpoolctl import threadpool_limits
 
     torch.set_num_threads(n)
     threadpool_limits(limits=n, user_api="blas")  # process-wide: scipy's bundled OpenBLAS (syrk, ?syevr)
+
+
+# --- argparse types: every flag value checked where it is parsed -------------------------------------------
+# A value argparse refuses is a usage error: one line ``flowgeom ...: error: argument --x: <why>``, exit 2.
+
+SEED_LIMIT = 2**63  # torch.Generator.manual_seed refuses seeds outside [-2**63, 2**64) with a RuntimeError
+
+
+def _cpus() -> int:
+    return os.cpu_count() or 1
+
+
+def _as_int(text: str) -> int:
+    try:
+        return int(str(text).strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+
+
+def _as_float(text: str) -> float:
+    try:
+        value = float(str(text).strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
+
+
+def bounded_int(lo: int, hi: int | None = None) -> Callable[[str], int]:
+    """argparse type: a whole number in ``[lo, hi]`` (``hi`` None: no upper bound)."""
+
+    def parse(text: str) -> int:
+        value = _as_int(text)
+        if value < lo or (hi is not None and value > hi):
+            span = f">= {lo}" if hi is None else f"between {lo} and {hi}"
+            raise argparse.ArgumentTypeError(f"must be a whole number {span}, got {value}")
+        return value
+
+    parse.__name__ = f"int in [{lo}, {'inf' if hi is None else hi}]"
+    return parse
+
+
+def positive_int(text: str | None = None, *, maximum: int | None = None):
+    """argparse type: a whole number >= 1; ``positive_int(maximum=M)`` returns the type capped at ``M``.
+
+    ``type=positive_int`` and ``type=positive_int(maximum=10**6)`` both work.
+    """
+    if text is None:
+        return bounded_int(1, maximum)
+    return bounded_int(1, maximum)(text)
+
+
+def nonneg_int(text: str) -> int:
+    """argparse type: a whole number >= 0."""
+    return bounded_int(0)(text)
+
+
+def seed(text: str) -> int:
+    """argparse type: a random seed, ``0 <= seed < 2**63`` (what every torch.Generator accepts)."""
+    value = _as_int(text)
+    if not 0 <= value < SEED_LIMIT:
+        raise argparse.ArgumentTypeError(f"a seed must be a whole number in [0, 2**63), got {value}")
+    return value
+
+
+def threads(text: str) -> int:
+    """argparse type: CPU threads, ``1 <= n <= os.cpu_count()`` (torch crashes on absurd counts)."""
+    value = _as_int(text)
+    if not 1 <= value <= _cpus():
+        raise argparse.ArgumentTypeError(f"must be between 1 and {_cpus()} (the CPUs of this machine), got {value}")
+    return value
+
+
+def finite_float(lo: float = -math.inf, hi: float = math.inf, *, lo_open: bool = False,
+                 hi_open: bool = False) -> Callable[[str], float]:
+    """argparse type: a finite number in ``[lo, hi]`` (``lo_open``/``hi_open`` exclude the end points)."""
+
+    def parse(text: str) -> float:
+        value = _as_float(text)
+        low_ok = value > lo if lo_open else value >= lo
+        high_ok = value < hi if hi_open else value <= hi
+        if not (low_ok and high_ok):
+            left = "(" if lo_open else "["
+            right = ")" if hi_open else "]"
+            raise argparse.ArgumentTypeError(f"must be a finite number in {left}{lo:g}, {hi:g}{right}, got {text}")
+        return value
+
+    parse.__name__ = "number"
+    return parse
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0 (usage error, exit 2, otherwise)."""
+    value = _as_float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+MAX_STEP_SIZE = 1e6  # larger learning rates overflow float32 updates before they can even diverge visibly
+
+
+def step_size(text: str) -> float:
+    """argparse type: a learning rate / step size in ``(0, 1e6]``."""
+    return finite_float(0.0, MAX_STEP_SIZE, lo_open=True)(text)
+
+
+def nonneg_float(text: str) -> float:
+    """argparse type: a finite number >= 0."""
+    value = _as_float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+class AppendDistinct(argparse.Action):
+    """``action="append"`` that refuses a value given twice (``--tau 0.1 --tau 0.1``)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        items = list(getattr(namespace, self.dest, None) or [])
+        if values in items:
+            raise argparse.ArgumentError(self, f"{values!r} given twice; each value must be distinct")
+        items.append(values)
+        setattr(namespace, self.dest, items)
+
+
+def comma_list(choices: Sequence[str], *, what: str) -> Callable[[str], tuple[str, ...]]:
+    """argparse type: a comma-separated list of distinct names among ``choices`` (at least one)."""
+
+    def parse(text: str) -> tuple[str, ...]:
+        items = tuple(x.strip() for x in str(text).split(",") if x.strip())
+        if not items:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {what} among {', '.join(choices)}")
+        unknown = [x for x in items if x not in choices]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {what} {unknown[0]!r}; choose among {', '.join(choices)}")
+        twice = sorted({x for x in items if items.count(x) > 1})
+        if twice:
+            raise argparse.ArgumentTypeError(f"{what} {twice[0]!r} given twice; list each once")
+        return items
+
+    parse.__name__ = what
+    return parse
+
+
+def figure_path(text: str) -> str:
+    """argparse type: a figure file name whose extension matplotlib can write (checked before any work)."""
+    from flowgeom.report.figures import check_figure_path
+
+    try:
+        check_figure_path(text)
+    except FlowgeomError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one line ``PROG: error: MSG; see PROG --help`` (exit 2)."""
+
+    def error(self, message: str):  # noqa: D401 - argparse API
+        message = " ".join(str(message).split())
+        self.exit(2, f"{self.prog}: error: {message}; see `{self.prog} --help`\n")

@@ -9,7 +9,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from flowgeom.cli._common import add_device, apply_threads, add_json, area, command, console, print_json, resolve_device
+from flowgeom.cli._common import (
+    AppendDistinct, add_device, add_json, add_seed, add_threads, apply_threads, area, bounded_int, command, console,
+    nonneg_float, positive_float, positive_int, print_json, resolve_device,
+)
 from flowgeom.errors import FlowgeomError
 
 QUICK_RUN = {"archs": None, "lrs": (0.05, 0.2), "seeds": 1, "steps": 100, "regimes": ("gd", "sgd")}
@@ -42,8 +45,8 @@ def _run_base(args: argparse.Namespace, preset: dict[str, Any]):
 
     model = FULL_MODEL if args.full else {}
     return ConservationConfig(
-        steps=args.steps or preset["steps"], optimizer=args.optimizer, weight_decay=args.weight_decay,
-        schedule=args.schedule, batch=args.batch or model.get("batch", 32), device=args.device, dtype=args.dtype,
+        steps=preset["steps"] if args.steps is None else args.steps, optimizer=args.optimizer, weight_decay=args.weight_decay,
+        schedule=args.schedule, batch=model.get("batch", 32) if args.batch is None else args.batch, device=args.device, dtype=args.dtype,
         patch=args.patch,
         **{k: v for k, v in model.items() if k != "batch"},
     )
@@ -59,7 +62,10 @@ def run_cmd(args: argparse.Namespace) -> int:
     if unknown:
         raise FlowgeomError(f"unknown --arch {unknown[0]!r}; choose from {', '.join(ARCHS)}")
     lrs = args.lr or list(preset["lrs"])
-    seeds = [args.seed + i for i in range(args.seeds or preset["seeds"])]
+    seeds = [args.seed + i for i in range(preset["seeds"] if args.seeds is None else args.seeds)]
+    if seeds[-1] >= 2**63:
+        raise FlowgeomError(f"--seed {args.seed} with --seeds {len(seeds)} reaches seed {seeds[-1]} >= 2**63; "
+                            "lower --seed")
     regimes = [args.regime] if args.regime != "both" else list(preset["regimes"])
     base = _run_base(args, preset)
     out = Path(args.out)
@@ -123,11 +129,11 @@ def scaling_cmd(args: argparse.Namespace) -> int:
         changes["archs"] = tuple(args.arch)
     if args.tau:
         changes["taus"] = tuple(args.tau)
-    if args.steps:
+    if args.steps is not None:
         changes["steps"] = args.steps
     if args.text:
         changes["data"] = args.text
-    if args.decay_steps:
+    if args.decay_steps is not None:
         changes["decay_steps"] = args.decay_steps
     cfg = dataclasses.replace(cfg, **changes)
     with _progress(not args.json) as say:
@@ -169,17 +175,17 @@ def _print_scaling(result: dict[str, Any]) -> None:
     con.print(f"figure: {result['figure']}")
 
 
-def _common(p: argparse.ArgumentParser, default_out: str) -> None:
+def _common(p: argparse.ArgumentParser, default_out: str, *, steps_type=positive_int(maximum=10**9)) -> None:
     size = p.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="laptop-scale defaults (the default; < 3 min on 2 cores)")
     size.add_argument("--full", action="store_true", help="paper-scale configuration (GPU / cluster; give dataset paths)")
     p.add_argument("--out", default=default_out, help=f"output folder (default {default_out})")
     p.add_argument("--resume", action="store_true", help="continue killed runs from their checkpoints; skip finished ones")
-    p.add_argument("--seed", type=int, default=0, help="first random seed (default 0)")
-    p.add_argument("--steps", type=int, default=None, help="training steps per run (default: preset)")
-    p.add_argument("--arch", action="append", help="architecture (repeatable); see `--arch help`")
+    add_seed(p, help="first random seed, 0 <= seed < 2**63 (default 0)")
+    p.add_argument("--steps", type=steps_type, default=None, help="training steps per run (default: preset)")
+    p.add_argument("--arch", action=AppendDistinct, help="architecture (repeatable, distinct); see `--arch help`")
     p.add_argument("--text", default=None, help="LM corpus: a text file or a WikiText-103/PTB folder (default: KJV)")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: fastest for these small models)")
+    add_threads(p, help="torch CPU threads, 1..CPUs (default 1: fastest for these small models)")
     add_device(p)
     add_json(p)
 
@@ -193,24 +199,28 @@ def register(sub) -> None:
                 func=run_cmd)
     _common(p, "runs/conserve")
     p.add_argument("--task", choices=("lm", "vit", "both"), default="both", help="which models (default both)")
-    p.add_argument("--lr", type=float, action="append", help="step size τ (repeatable; default: preset grid)")
-    p.add_argument("--seeds", type=int, default=None, help="number of seeds from --seed (default: preset)")
+    p.add_argument("--lr", type=positive_float, action=AppendDistinct,
+                   help="step size τ > 0 (repeatable, distinct; default: preset grid)")
+    p.add_argument("--seeds", type=positive_int(maximum=10_000), default=None,
+                   help="number of seeds from --seed, 1..10000 (default: preset)")
     p.add_argument("--regime", choices=("gd", "sgd", "both"), default="both",
                    help="full-batch GD, mini-batch SGD, or both (default)")
     p.add_argument("--optimizer", choices=("sgd", "momentum", "adam"), default="sgd",
                    help="sgd (the laws' setting); momentum/adam break the laws (default sgd)")
-    p.add_argument("--weight-decay", type=float, default=0.0, help="λ; also records the rescaled laws e^{dλt}·h")
+    p.add_argument("--weight-decay", type=nonneg_float, default=0.0, help="λ; also records the rescaled laws e^{dλt}·h")
     p.add_argument("--schedule", choices=("constant", "inverse"), default="constant", help="τ_k = τ or τ/(k+1)")
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32", help="training precision (default float32)")
-    p.add_argument("--batch", type=int, default=None, help="batch size (= training set for gd; default 32)")
-    p.add_argument("--patch", type=int, default=7, help="ViT patch side; must divide the image side (default 7 for "
+    p.add_argument("--batch", type=positive_int(maximum=10**7), default=None,
+                   help="batch size >= 1 (= training set for gd; default 32)")
+    p.add_argument("--patch", type=positive_int, default=7, help="ViT patch side; must divide the image side (default 7 for "
                                                         "MNIST; e.g. 8 for CIFAR-10, 16 for ImageNet 224)")
     p.add_argument("--images", default=None, help="ViT data: MNIST IDX, CIFAR-10 python or class folder (default: MNIST)")
     p = command(verbs, "scaling", help="fit the O(τ²k) law: slopes of ε in τ and k with 95%% CIs, and the router sums",
                 example="flowgeom conserve scaling --quick --out runs/scaling\n"
                         "flowgeom conserve scaling --arch moe-dense-sigmoid --tau 0.04 --tau 0.02 --tau 0.01 --json",
                 func=scaling_cmd)
-    _common(p, "runs/scaling")
-    p.add_argument("--tau", type=float, action="append", help="step size τ (repeatable; ≥ 3 values)")
-    p.add_argument("--decay-steps", type=int, default=None,
+    _common(p, "runs/scaling", steps_type=bounded_int(3, 10**9))
+    p.add_argument("--tau", type=positive_float, action=AppendDistinct,
+                   help="step size τ > 0 (repeatable, distinct; ≥ 3 values)")
+    p.add_argument("--decay-steps", type=bounded_int(4, 10**9), default=None,
                    help="length of the constant vs τ0/(k+1) schedule runs (default: preset)")

@@ -7,8 +7,12 @@ import sys
 from dataclasses import asdict, replace
 
 from flowgeom.cli._common import (
-    add_device, add_json, add_seed, apply_threads, area, command, console, positive_float, print_json, resolve_device,
+    add_device, add_json, add_seed, add_threads, apply_threads, area, bounded_int, comma_list, command, console,
+    figure_path, finite_float, nonneg_float, nonneg_int, positive_float, positive_int, print_json, resolve_device,
+    step_size,
 )
+
+REGS = ("none", "log", "power", "frobenius")
 
 
 def run_villani(args: argparse.Namespace) -> int:
@@ -18,6 +22,7 @@ def run_villani(args: argparse.Namespace) -> int:
     obj = objective(args.loss, seed=args.seed)
     if args.reg != "none":
         obj = obj.with_regularizer(Regularizer(args.reg, lam=args.lam, eps=args.eps))
+    _check_probe_memory(obj.dim, args)
     report = probe(obj, temperature=args.temperature, rays=args.rays, r_max=args.r_max, points=args.points,
                    exact_max_dim=args.exact_max_dim, probes=args.probes, seed=args.seed)
     if args.figure:
@@ -34,11 +39,30 @@ def run_villani(args: argparse.Namespace) -> int:
                   f"Q {p.villani[mid]:.4g}→{p.villani[-1]:.4g}  → {p.verdict} ({p.reason}{', extended' if p.extended else ''})")
     if report.orbit_integral:
         integral = report.orbit_integral
-        out.print(f"  ∫exp(−2V/s) along the orbit: I(T)={', '.join(f'{x:.3g}' for x in integral['I'])} "
-                  f"for T={', '.join(f'{t:.2g}' for t in integral['T'])} → {integral['verdict']}")
+        if integral["verdict"] == "undefined":
+            out.print(f"  ∫exp(−2V/s) along the orbit: no verdict ({integral['reason']})", markup=False)
+        else:
+            out.print(f"  ∫exp(−2V/s) along the orbit: I(T)={', '.join(f'{x:.3g}' for x in integral['I'])} "
+                      f"for T={', '.join(f'{t:.2g}' for t in integral['T'])} → {integral['verdict']}")
     if args.figure:
         out.print(f"  figure: {args.figure}")
     return 0
+
+
+def _check_probe_memory(dim: int, args: argparse.Namespace) -> None:
+    """Refuse a probe that would not fit in memory (the kernel kills it otherwise, with no message)."""
+    import torch
+
+    from flowgeom.errors import FlowgeomError
+    from flowgeom.langevin.villani import probe_memory
+    from flowgeom.laws.count import available_memory
+
+    need = probe_memory(dim, rays=args.rays, points=args.points, exact=dim <= args.exact_max_dim, probes=args.probes)
+    have = available_memory(torch.device("cpu"))
+    if need > have // 2:
+        raise FlowgeomError(f"the Villani probe with --rays {args.rays} --points {args.points} --probes {args.probes} "
+                            f"needs about {need / 2**30:.1f} GiB, more than half the {have / 2**30:.1f} GiB available; "
+                            "lower --rays (a handful of rays already decides the verdict)")
 
 
 def run_darcy(args: argparse.Namespace) -> int:
@@ -52,7 +76,7 @@ def run_darcy(args: argparse.Namespace) -> int:
     overrides = {k: getattr(args, k) for k in ("data", "steps", "pretrain_steps", "lr", "temperature", "lam", "eps", "seed")
                  if getattr(args, k) is not None}
     if args.regs:
-        overrides["regs"] = tuple(args.regs.split(","))
+        overrides["regs"] = args.regs
     cfg = DarcyConfig.from_dict({**asdict(replace(cfg)), **overrides})
     with Progress(disable=args.json or not sys.stderr.isatty(), console=None, transient=True) as bar:
         summary = run(cfg, args.out, resume=args.resume, device=device, progress=bar)
@@ -86,7 +110,7 @@ def run_rate_cmd(args: argparse.Namespace) -> int:
 
     apply_threads(args.threads)
     cfg = RateConfig(loss=args.loss, chains=args.chains, start_radius=args.start_radius, lr=args.lr,
-                     temperature=args.temperature, steps=args.steps, regs=tuple(args.regs.split(",")), lam=args.lam,
+                     temperature=args.temperature, steps=args.steps, regs=args.regs, lam=args.lam,
                      eps=args.eps, seed=args.seed)
     result = run_rate(cfg)
     if args.figure:
@@ -138,8 +162,8 @@ def _add_common(p: argparse.ArgumentParser, *, figure: str) -> None:
     """Options shared by villani and rate: λ, ε, --figure, --threads, --seed, --json."""
     p.add_argument("--lam", type=positive_float, default=0.01, help="regulariser λ > 0 (default 0.01)")
     p.add_argument("--eps", type=positive_float, default=0.5, help="power regulariser ε > 0 (default 0.5)")
-    p.add_argument("--figure", help=figure)
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    p.add_argument("--figure", type=figure_path, help=figure)
+    add_threads(p)
     add_seed(p)
     add_json(p)
 
@@ -152,14 +176,16 @@ def register(sub) -> None:
                         "flowgeom langevin villani --loss norm1 --json",
                 func=run_villani)
     p.add_argument("--loss", default="attention", choices=["attention", "lora", "norm2", "norm1"], help="the potential V")
-    p.add_argument("--reg", default="none", choices=["none", "log", "power", "frobenius"], help="regulariser added to V")
-    p.add_argument("--temperature", type=float, default=1.0, help="temperature s > 0 (default 1)")
-    p.add_argument("--rays", type=int, default=3, help="random rays (default 3)")
-    p.add_argument("--r-max", type=float, default=1e3, help="largest radius probed (default 1e3)")
-    p.add_argument("--points", type=int, default=12, help="points per path (default 12)")
-    p.add_argument("--exact-max-dim", type=int, default=200, help="exact Hessian trace up to this D, else Hutchinson")
-    p.add_argument("--probes", type=int, default=64, help="Hutchinson probe vectors (default 64)")
-    _add_common(p, figure="save the V and Q plots to this PNG")
+    p.add_argument("--reg", default="none", choices=REGS, help="regulariser added to V")
+    p.add_argument("--temperature", type=positive_float, default=1.0, help="temperature s > 0 (default 1)")
+    p.add_argument("--rays", type=positive_int, default=3, help="random rays >= 1 (default 3)")
+    p.add_argument("--r-max", type=finite_float(10, 1e29, lo_open=True), default=1e3,
+                   help="largest radius probed, in (10, 1e29] (default 1e3)")
+    p.add_argument("--points", type=bounded_int(4, 100_000), default=12, help="points per path, >= 4 (default 12)")
+    p.add_argument("--exact-max-dim", type=nonneg_int, default=200, help="exact Hessian trace up to this D, else Hutchinson")
+    p.add_argument("--probes", type=bounded_int(2, 1_000_000), default=64,
+                   help="Hutchinson probe vectors, >= 2 (default 64)")
+    _add_common(p, figure="save the V and Q plots to this image (.png, .pdf, .svg, ...)")
 
     p = command(verbs, "darcy", help="Darcy-flow attention experiment: pretrain, then Langevin on W_Q, W_K (none/log/power)",
                 example="flowgeom langevin darcy --quick --out runs/darcy\n"
@@ -171,25 +197,27 @@ def register(sub) -> None:
     p.add_argument("--out", required=True, help="run folder")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     p.add_argument("--data", choices=["shipped", "generated"], help="shipped 16x16 set (default) or our FD generator")
-    p.add_argument("--steps", type=int, help="Langevin steps per arm")
-    p.add_argument("--pretrain-steps", type=int, help="Adam pretraining steps")
-    p.add_argument("--lr", type=float, help="Langevin step size")
-    p.add_argument("--temperature", type=float, help="Langevin temperature s >= 0")
+    p.add_argument("--steps", type=positive_int(maximum=10**9), help="Langevin steps per arm (>= 1)")
+    p.add_argument("--pretrain-steps", type=bounded_int(0, 10**9), help="Adam pretraining steps (>= 0)")
+    p.add_argument("--lr", type=step_size, help="Langevin step size in (0, 1e6]")
+    p.add_argument("--temperature", type=nonneg_float, help="Langevin temperature s >= 0")
     p.add_argument("--lam", type=positive_float, help="regulariser λ > 0")
     p.add_argument("--eps", type=positive_float, help="power regulariser ε > 0")
-    p.add_argument("--regs", help="comma-separated arms among none,log,power,frobenius (default none,log,power)")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: fastest for this small model)")
-    p.add_argument("--seed", type=int, default=None, help="random seed (default 0)")
+    p.add_argument("--regs", type=comma_list(REGS, what="arm"),
+                   help="comma-separated arms among none,log,power,frobenius (default none,log,power)")
+    add_threads(p, help="torch CPU threads, 1..CPUs (default 1: fastest for this small model)")
+    add_seed(p, default=None)
     add_device(p)
     add_json(p)
 
     p = command(verbs, "rate", help="time to ε-suboptimality vs log(1/ε) for many chains, regularised vs not",
                 example="flowgeom langevin rate --loss attention --figure rate.png", func=run_rate_cmd)
     p.add_argument("--loss", default="attention", choices=["attention", "lora"], help="the paper's loss (small task)")
-    p.add_argument("--chains", type=int, default=128, help="independent chains (default 128)")
-    p.add_argument("--start-radius", type=float, default=30.0, help="‖θ_0‖ of every chain (default 30)")
-    p.add_argument("--lr", type=float, default=0.02, help="Langevin step size (default 0.02)")
-    p.add_argument("--temperature", type=float, default=0.01, help="temperature s (default 0.01)")
-    p.add_argument("--steps", type=int, default=3000, help="steps per arm (default 3000)")
-    p.add_argument("--regs", default="none,log,power", help="comma-separated arms (default none,log,power)")
+    p.add_argument("--chains", type=positive_int(maximum=10**7), default=128, help="independent chains (default 128)")
+    p.add_argument("--start-radius", type=positive_float, default=30.0, help="‖θ_0‖ of every chain (default 30)")
+    p.add_argument("--lr", type=step_size, default=0.02, help="Langevin step size in (0, 1e6] (default 0.02)")
+    p.add_argument("--temperature", type=nonneg_float, default=0.01, help="temperature s >= 0 (default 0.01)")
+    p.add_argument("--steps", type=positive_int(maximum=10**9), default=3000, help="steps per arm (default 3000)")
+    p.add_argument("--regs", type=comma_list(REGS, what="arm"), default=("none", "log", "power"),
+                   help="comma-separated arms (default none,log,power)")
     _add_common(p, figure="save the curves and τ(ε) plot to this PNG")

@@ -168,14 +168,49 @@ def orbit_integral(obj: Objective, theta0: torch.Tensor, *, temperature: float, 
         v = torch.stack([obj.flat(obj.orbit(theta0, float(t))) for t in ts])
     w = torch.exp(-2 * (v - v[0]) / temperature)  # (points,)
     partial = torch.cat([torch.zeros(1, dtype=w.dtype), torch.cumsum((w[1:] + w[:-1]) / 2 * (ts[1:] - ts[:-1]), 0)])
+    step = max(1, points // 10)
+    undefined = _undefined_integral(v, w, partial, temperature)
+    if undefined:
+        return {"T": ts[::step].tolist(), "I": partial[::step].tolist(), "verdict": "undefined", "reason": undefined}
     if w[-1] >= 0.5 * w[0]:
         verdict = "diverges"
     elif w[-1] < 1e-8:
         verdict = "converges"
     else:
         verdict = "inconclusive"
-    step = max(1, points // 10)
     return {"T": ts[::step].tolist(), "I": partial[::step].tolist(), "verdict": verdict}
+
+
+def _undefined_integral(v: torch.Tensor, w: torch.Tensor, partial: torch.Tensor, temperature: float) -> str:
+    """Why ``I(T)`` has no trustworthy value at this ``s`` ('' when it has one).
+
+    Two failures give a verdict from noise: ``exp(−2ΔV/s)`` overflows float64
+    (``ΔV < −354 s``), or ``V`` at ``T`` equals ``V(θ_0)`` to round-off while
+    the round-off ``δ`` of ``V`` is not small against ``s`` (then
+    ``exp(−2ΔV/s)`` at ``T`` is 0, 1 or ∞ at the whim of the last bit).
+    """
+    if not (bool(torch.isfinite(w).all()) and bool(torch.isfinite(partial).all())):
+        return (f"exp(−2ΔV/s) overflows float64 at s={temperature:g} (ΔV down to {float((v - v[0]).min()):.3g}); "
+                "raise the temperature")
+    roundoff = 16 * torch.finfo(v.dtype).eps * float(v.abs().max())
+    if abs(float(v[-1] - v[0])) <= roundoff and 2 * roundoff / temperature > 1e-3:
+        return (f"V(M_T θ_0) = V(θ_0) to round-off ({roundoff:.1e}), which is not small against s={temperature:g}: "
+                "the integrand is float noise; raise the temperature")
+    return ""
+
+
+def probe_memory(dim: int, *, rays: int, points: int, exact: bool, probes: int) -> int:
+    """Bytes a :func:`probe` holds at its peak (an over-estimate, checked before it starts).
+
+    Each path keeps four float lists over up to ``2·points`` radii (Python
+    floats, ~32 bytes each, counted 4× for the report's dict and JSON copies)
+    plus ~2 KB of bookkeeping; the Laplacian needs a ``D × D`` Hessian (a few
+    copies under ``jacrev``) or ``probes × D`` Rademacher vectors and their
+    vmapped Hessian-vector products.
+    """
+    per_path = 2 * points * 4 * 32 * 4 + 2048
+    laplacian = 8 * (4 * dim * dim if exact else 8 * probes * dim)
+    return (rays + 1) * per_path + laplacian + 8 * 200 * dim
 
 
 def probe(obj: Objective, *, temperature: float = 1.0, rays: int = 3, r_max: float = 1e3, points: int = 12,
@@ -188,7 +223,7 @@ def probe(obj: Objective, *, temperature: float = 1.0, rays: int = 3, r_max: flo
     if not r_ext > r_max:
         raise FlowgeomError(f"r_ext must exceed r_max, got r_ext={r_ext!r}, r_max={r_max!r}")
     if rays < 1 or points < 4:
-        raise FlowgeomError("need rays >= 1 and points >= 4")
+        raise FlowgeomError(f"need rays >= 1 and points >= 4, got rays={rays}, points={points}")
     g = torch.Generator().manual_seed(seed)
     exact = obj.dim <= exact_max_dim
     theta0 = torch.randn(obj.dim, generator=g, dtype=torch.float64)
@@ -202,6 +237,11 @@ def probe(obj: Objective, *, temperature: float = 1.0, rays: int = 3, r_max: flo
     def path(kind: str, at) -> PathResult:
         """``at(x)`` is the point at log-radius ``x``; probe [0, log r_max], then out to log r_ext if Q < 0."""
         near = measure([at(float(x)) for x in torch.linspace(0, math.log(r_max), points, dtype=torch.float64)])
+        if len(near[0]) < 4:
+            raise FlowgeomError(
+                f"V or Q = ‖∇V‖²/s − ΔV is not finite in float64 at {points - len(near[0])} of {points} points of a "
+                f"{kind} up to r={r_max:g} (s={temperature:g}): too few left for a verdict; raise the temperature "
+                "or lower --r-max")
         result = judge(kind, *near)
         if result.verdict != "inconclusive":
             return result

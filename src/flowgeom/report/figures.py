@@ -11,7 +11,41 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from flowgeom.errors import FlowgeomError
 from flowgeom.runs import atomic_write_bytes
+
+
+def figure_formats() -> dict[str, str]:
+    """``{extension: description}`` of the file types matplotlib can write (png, pdf, svg, ...)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    # pgf needs a LaTeX installation to be written, so it is not offered.
+    return {ext: desc for ext, desc in sorted(FigureCanvasBase.get_supported_filetypes().items()) if ext != "pgf"}
+
+
+def check_figure_path(path: str | os.PathLike) -> Path:
+    """``path`` as a Path if a figure can be written there, else :class:`FlowgeomError` (before any work).
+
+    Refused: an extension matplotlib cannot write (the error lists those it
+    can), a path that is an existing directory, a parent that is a file.
+    """
+    raw = os.fspath(path)
+    path = Path(raw)
+    formats = figure_formats()
+    listed = ", ".join("." + ext for ext in formats)
+    if path.is_dir() or raw.endswith(("/", os.sep)):
+        raise FlowgeomError(f"figure path {raw!r} is a directory; give a file name ending in one of: {listed}")
+    ext = path.suffix.lstrip(".").lower()
+    if ext not in formats:
+        raise FlowgeomError(f"figure path {str(path)!r}: unknown extension {('.' + ext) if ext else '(none)'!r}; "
+                            f"use one of: {listed}")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise FlowgeomError(f"figure path {str(path)!r}: {str(parent)!r} is a file, not a folder; "
+                                    "choose another location")
+            break
+    return path
 
 
 def _pyplot():
