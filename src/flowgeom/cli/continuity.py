@@ -31,6 +31,7 @@ def _progress(enabled: bool):
     if not enabled or not sys.stderr.isatty():
         return None, None
     from rich.console import Console
+    from rich.markup import escape
     from rich.progress import Progress
 
     bar = Progress(console=Console(stderr=True), transient=True)
@@ -38,7 +39,7 @@ def _progress(enabled: bool):
 
     def update(role: str, done: int, total: int) -> None:
         if role not in tasks:
-            tasks[role] = bar.add_task(f"role {role}", total=total)
+            tasks[role] = bar.add_task(f"role {escape(role)}", total=total)
         bar.update(tasks[role], completed=done)
 
     return bar, update
@@ -46,10 +47,11 @@ def _progress(enabled: bool):
 
 def print_report(report: dict) -> None:
     """Roles x metrics table: mean ± std over pairs, baseline, ratio; then the verdicts."""
+    from rich.markup import escape  # paths and role names are data, never markup: 'a[/]b' prints as is
     from rich.table import Table
 
     cfg = report["config"]
-    table = Table(title=f"{report['source']} ({report['scheme']} naming, {report['layers']} layers, "
+    table = Table(title=f"{escape(str(report['source']))} ({escape(report['scheme'])} naming, {report['layers']} layers, "
                         f"distance {cfg['distances'][0]}, k={cfg['k']}, {cfg['baseline']} baseline)")
     table.add_column("role")
     table.add_column("shape")
@@ -62,12 +64,12 @@ def print_report(report: dict) -> None:
         for key, _ in shown:
             m = r["metrics"][key]
             cells.append(f"{m['mean']:.3f}±{m['std']:.3f} ({m['baseline']:.3f}, {m['ratio']:.1f}×)")
-        table.add_row(role, "×".join(map(str, r["shape"])), *cells, r["verdict"])
+        table.add_row(escape(role), "×".join(map(str, r["shape"])), *cells, r["verdict"])
     out = console()
     out.print(table)
     out.print(f"verdict: ratio of mean |cos| to its random baseline >= {cfg['threshold']} "
               "(v1 -> input-continuous, u1 -> output-continuous)")
-    low = [f"{role} (min gap {r['min_gap']:.1e})" for role, r in report["roles"].items() if r["min_gap"] < 1e-3]
+    low = [f"{escape(role)} (min gap {r['min_gap']:.1e})" for role, r in report["roles"].items() if r["min_gap"] < 1e-3]
     if low:
         out.print("near-degenerate sigma_1 ~ sigma_2 in: " + ", ".join(low) + "; their v1/u1 are unstable, "
                   "read the subspace columns")

@@ -30,7 +30,7 @@ from flowgeom.continuity.baselines import METRICS, analytic_baselines, monte_car
 from flowgeom.continuity.metrics import gram_fro, gram_numerator, pair_metrics
 from flowgeom.continuity.naming import MatrixRef, resolve_roles
 from flowgeom.continuity.sources import TensorSource, open_source
-from flowgeom.continuity.spectra import SOLVERS, pairs_from_gram, small_gram
+from flowgeom.continuity.spectra import SOLVERS, pairs_from_gram, small_gram, unit_scale, unscale_pairs
 from flowgeom.errors import FlowgeomError, require_choices
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
@@ -117,17 +117,21 @@ class Analyzer:
                 raise FlowgeomError(f"--distance {min(config.distances)} leaves no pair among the {len(refs)} layers "
                                     f"of role {role}; use a distance below {len(refs)}")
 
-    def _load(self, ref: MatrixRef) -> torch.Tensor:
+    def _load(self, ref: MatrixRef) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(A 2^-e, e)`` in the compute dtype: extreme weights (1e25, 1e-30) rescaled exactly (spectra.unit_scale)."""
         t = ref.extract(self.source.load(ref.tensor))
-        return t.to(device=self.device, dtype=self.dtype)  # (m, n)
+        return unit_scale(t.to(device=self.device), self.dtype)  # (m, n), ()
 
     def _layer_states(self, refs: list[MatrixRef]) -> list[_LayerState]:
         loaded = [self._load(r) for r in refs]
+        exps = torch.stack([e for _, e in loaded])  # (B,) power-of-two scale of each matrix
+        loaded = [m for m, _ in loaded]
         mats = loaded[0].unsqueeze(0) if len(loaded) == 1 else torch.stack(loaded)  # (B, m, n), no copy for B = 1
         del loaded
         grams, side = small_gram(mats)
         pairs = pairs_from_gram(mats, grams, side, self.config.k, solver=self.config.solver, tol=self.config.tol,
                                 seed=self.config.seed)
+        pairs = unscale_pairs(pairs, exps)  # true singular values (vectors and ratios are scale-free)
         fros = gram_fro(mats, grams)
         for ref, fro in zip(refs, fros.tolist()):
             if fro == 0:

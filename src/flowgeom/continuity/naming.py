@@ -1,21 +1,47 @@
-"""Map checkpoint tensor names to projection roles ``q k v o gate up down``.
+"""Map checkpoint tensor names to projection roles, splitting fused tensors; list what is left.
 
-Each naming scheme is a list of :class:`RolePattern` (a regex whose group
-``layer`` is the block index). Every matrix is returned in the ``(out, in)``
-layout of ``nn.Linear``:
+Each naming scheme is an ordered list of :class:`RolePattern` (a regex whose
+group ``layer`` is the block index), matched against tensor names with PEFT's
+wrapping removed (``base_model.model.`` prefix, ``.base_layer`` segment: the
+base weight of an adapted projection is that projection). The first pattern
+that matches claims the tensor. Every matrix is returned in the ``(out, in)``
+layout of ``nn.Linear``; fused tensors are split by row ranges
+(:mod:`flowgeom.continuity.layouts`), 3-D expert stacks by expert index, one
+tensor loaded at a time.
 
-* ``llama`` (Llama, Mistral, Qwen, flowgeom.nn zoo): ``….<L>.….q_proj.weight`` …
-  ``down_proj.weight``; the layer is the first all-digit name segment.
+* ``llama`` (Llama, Mistral, Qwen2/3, Gemma, flowgeom.nn zoo): ``….<L>.….q_proj.weight``
+  … ``down_proj.weight``, the layer being the first all-digit segment; Phi-3
+  ``self_attn.qkv_proj`` (rows q | k | v, GQA sizes from the head counts) and
+  ``mlp.gate_up_proj`` (gate | up); MoE: router ``mlp.gate`` /
+  ``block_sparse_moe.gate`` -> ``router``; Mixtral on disk
+  ``block_sparse_moe.experts.N.w1/w3/w2`` -> ``expertN.gate/up/down``;
+  Qwen2-MoE / OLMoE ``mlp.experts.N.gate_proj…``; transformers-5 fused
+  ``mlp.experts.gate_up_proj (E, 2m, d)`` / ``down_proj (E, d, m)`` (one
+  expert sliced at a time); Qwen2-MoE ``mlp.shared_expert.*`` ->
+  ``shared.gate/up/down`` and ``mlp.shared_expert_gate`` (1 x d) -> ``shared.router``.
 * ``gguf`` (llama.cpp): ``blk.<L>.attn_q.weight`` … ``ffn_down.weight``. GGUF
   stores Q/K rows permuted for its RoPE layout; the permutation is the same in
   every layer, so cross-layer |cos| is unchanged.
 * ``bert``: ``layer.<L>.attention.self.query/key/value``, ``attention.output.dense``
   (o), ``intermediate.dense`` (up), ``output.dense`` (down).
 * ``gpt2``: ``h.<L>.attn.c_attn`` is Conv1D ``(in, 3 out)``: transposed, then
-  rows split into q, k, v; ``attn.c_proj`` (o), ``mlp.c_fc`` (up), ``mlp.c_proj``
-  (down), all transposed.
+  rows split into q, k, v thirds; ``attn.c_proj`` (o), ``mlp.c_fc`` (up),
+  ``mlp.c_proj`` (down), all transposed.
+* ``gpt_neox``: ``layers.<L>.attention.query_key_value`` interleaved per head
+  (rows ``(H, 3, hd)``), ``attention.dense`` (o), ``mlp.dense_h_to_4h`` (up),
+  ``mlp.dense_4h_to_h`` (down).
+* ``falcon``: ``h.<L>.self_attention.query_key_value`` in rows
+  ``(KV, H/KV + 2, hd)`` (multi-query: KV = 1; new decoder architecture: KV =
+  ``num_kv_heads``), ``self_attention.dense`` (o), ``mlp.dense_h_to_4h`` (up),
+  ``mlp.dense_4h_to_h`` (down).
 
-Grouped-query attention needs nothing special: k and v simply have fewer rows.
+PEFT LoRA tensors ``….lora_A[.<adapter>].weight`` / ``lora_B`` are listed per
+adapted module; with ``merge_lora`` the role's matrix is ``W + s·B A``
+(:func:`flowgeom.continuity.layouts.lora_scale`). Nothing is dropped in
+silence: :class:`RoleLayout` lists every tensor no role uses with the reason,
+and warns when a family of roles is incomplete (attention with no q, an
+expert without its down projection, …).
+
 Unknown naming: pass ``custom={"name": regex}`` (CLI ``--role NAME=REGEX``),
 the regex's first group (or group ``layer``) being the layer index.
 """
@@ -24,30 +50,71 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
+from flowgeom.continuity.layouts import LayoutError, NamingHints, Rows, half_rows, lora_scale, qkv_rows, strip_peft
 from flowgeom.errors import FlowgeomError
 
 ROLES = ("q", "k", "v", "o", "gate", "up", "down")
+ATTENTION = ("q", "k", "v", "o")
+SHARED = ("shared.gate", "shared.up", "shared.down", "shared.router")
+_EXPERT_PARTS = ("gate", "up", "down")
 _LAYER = r"^(?:.*?\.)?(?P<layer>\d+)\.(?:.*\.)?"
+_LORA = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.(?P<adapter>[^.]+))?\.weight$")
+_EMBED = re.compile(r"(?:^|\.)(?:embed_tokens|embed_in|embed_out|wte|wpe|word_embeddings|position_embeddings|"
+                    r"token_type_embeddings|lm_head|token_embd|output)\.weight$")
 
 
 @dataclass(frozen=True)
 class RolePattern:
-    """``regex`` matches a tensor name; ``transpose`` for (in, out) storage; ``split=(i, parts)`` takes row block i."""
+    """``regex`` matches a (PEFT-stripped) tensor name for role ``role``.
+
+    ``transpose`` for (in, out) storage; ``split=(i, parts)`` takes row block i
+    of ``parts`` equal blocks; ``fused=(layout, part)`` the rows of ``part`` in
+    a fused layout (:mod:`~flowgeom.continuity.layouts`: ``blocked``,
+    ``grouped``, ``interleaved``, ``thirds`` with part q/k/v; ``halves`` with
+    part 0/1); ``experts`` marks a 3-D ``(E, out, in)`` stack whose expert e
+    gives role ``role`` with ``{expert}`` replaced by e (a regex group
+    ``expert`` does the same for per-expert tensors).
+    """
 
     role: str
     regex: str
     transpose: bool = False
     split: tuple[int, int] | None = None
+    fused: tuple[str, str | int] | None = None
+    experts: bool = False
 
 
 def _llama() -> list[RolePattern]:
+    L = _LAYER
+    pats = [RolePattern(f"expert{{expert}}.{part}", L + rf"block_sparse_moe\.experts\.(?P<expert>\d+)\.{w}\.weight$")
+            for part, w in (("gate", "w1"), ("up", "w3"), ("down", "w2"))]  # Mixtral on disk
+    pats.append(RolePattern("router", L + r"block_sparse_moe\.gate\.weight$"))
+    pats += [RolePattern(f"expert{{expert}}.{part}", L + rf"experts\.(?P<expert>\d+)\.{part}_proj\.weight$")
+             for part in _EXPERT_PARTS]  # Qwen2-MoE / OLMoE on disk
+    gate_up = L + r"experts\.gate_up_proj(?:\.weight)?$"  # transformers 5: (E, 2m, d), rows gate | up
+    pats += [RolePattern("expert{expert}.gate", gate_up, fused=("halves", 0), experts=True),
+             RolePattern("expert{expert}.up", gate_up, fused=("halves", 1), experts=True),
+             RolePattern("expert{expert}.down", L + r"experts\.down_proj(?:\.weight)?$", experts=True)]
+    pats += [RolePattern(f"shared.{part}", L + rf"shared_expert\.{part}_proj\.weight$") for part in _EXPERT_PARTS]
+    pats.append(RolePattern("shared.router", L + r"shared_expert_gate\.weight$"))
+    pats.append(RolePattern("router", L + r"mlp\.gate\.weight$"))
+    qkv, gu = L + r"qkv_proj\.weight$", L + r"gate_up_proj\.weight$"  # Phi-3
+    pats += [RolePattern(r, qkv, fused=("blocked", r)) for r in "qkv"]
+    pats += [RolePattern("gate", gu, fused=("halves", 0)), RolePattern("up", gu, fused=("halves", 1))]
     names = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj",
              "gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
-    return [RolePattern(r, _LAYER + re.escape(n) + r"\.weight$") for r, n in names.items()]
+    return pats + [RolePattern(r, L + re.escape(n) + r"\.weight$") for r, n in names.items()]
+
+
+def _qkv_family(prefix: str, qkv: str, layout: str, o: str) -> list[RolePattern]:
+    fused = prefix + qkv + r"\.weight$"
+    return [RolePattern(r, fused, fused=(layout, r)) for r in "qkv"] + [
+        RolePattern(r, prefix + n + r"\.weight$") for r, n in
+        (("o", o), ("up", r"mlp\.dense_h_to_4h"), ("down", r"mlp\.dense_4h_to_h"))]
 
 
 SCHEMES: dict[str, list[RolePattern]] = {
@@ -58,41 +125,80 @@ SCHEMES: dict[str, list[RolePattern]] = {
     "bert": [RolePattern(r, rf"(?:^|\.)layer\.(?P<layer>\d+)\.{n}\.weight$") for r, n in
              (("q", r"attention\.self\.query"), ("k", r"attention\.self\.key"), ("v", r"attention\.self\.value"),
               ("o", r"attention\.output\.dense"), ("up", r"intermediate\.dense"), ("down", r"output\.dense"))],
-    "gpt2": [RolePattern(r, rf"(?:^|\.)h\.(?P<layer>\d+)\.attn\.c_attn\.weight$", True, (i, 3))
-             for i, r in enumerate(("q", "k", "v"))]
+    "gpt2": [RolePattern(r, r"(?:^|\.)h\.(?P<layer>\d+)\.attn\.c_attn\.weight$", True, fused=("thirds", r))
+             for r in "qkv"]
     + [RolePattern(r, rf"(?:^|\.)h\.(?P<layer>\d+)\.{n}\.weight$", True) for r, n in
        (("o", r"attn\.c_proj"), ("up", r"mlp\.c_fc"), ("down", r"mlp\.c_proj"))],
+    "gpt_neox": _qkv_family(r"(?:^|\.)layers\.(?P<layer>\d+)\.", r"attention\.query_key_value", "interleaved",
+                            r"attention\.dense"),
+    "falcon": _qkv_family(r"(?:^|\.)h\.(?P<layer>\d+)\.", r"self_attention\.query_key_value", "grouped",
+                          r"self_attention\.dense"),
 }
 
 
 @dataclass(frozen=True)
+class LoraDelta:
+    """The LoRA update ``scale · B A`` added to a base weight (``a``, ``b``: tensor names)."""
+
+    a: str  # (r, in)
+    b: str  # (out, r)
+    scale: float
+
+
+@dataclass(frozen=True)
 class MatrixRef:
-    """One projection matrix: which tensor, how to view it as (out, in), its final shape."""
+    """One projection matrix: which tensor, how to view it as (out, in), its final shape.
+
+    ``rows``: row ranges of the (out, in) view, concatenated (a fused tensor's
+    share); ``expert``: index into the leading axis of a 3-D expert stack;
+    ``lora``: a LoRA update merged into the stored weight before the view.
+    """
 
     role: str
     layer: int
     tensor: str
     shape: tuple[int, int]
     transpose: bool = False
-    split: tuple[int, int] | None = None
+    rows: Rows | None = None
+    expert: int | None = None
+    lora: LoraDelta | None = None
 
     def extract(self, t: torch.Tensor) -> torch.Tensor:
-        """The (out, in) matrix from the stored tensor ``t``."""
+        """The (out, in) matrix from the stored tensor ``t`` (a whole 3-D stack or its expert slice)."""
+        if self.expert is not None and t.ndim == 3:
+            t = t[self.expert]  # (out, in) or (in, out) of one expert
         if self.transpose:
             t = t.mT
-        if self.split is not None:
-            i, parts = self.split
-            rows = t.shape[0] // parts
-            t = t[i * rows:(i + 1) * rows]  # (out/parts, in)
+        if self.rows is not None:
+            parts = [t[a:b] for a, b in self.rows]
+            t = parts[0] if len(parts) == 1 else torch.cat(parts)  # (rows, in)
         return t
+
+    def load(self, source) -> torch.Tensor:
+        """Read this matrix from a :class:`~flowgeom.continuity.sources.TensorSource`: one tensor (or one expert)."""
+        t = source.load(self.tensor) if self.expert is None else source.load_part(self.tensor, self.expert)
+        if self.lora is not None:
+            a, b = source.load(self.lora.a), source.load(self.lora.b)  # (r, in), (out, r)
+            delta = self.lora.scale * (b.double() @ a.double())  # (out, in)
+            t = t.double() + (delta.mT if self.transpose else delta)  # stored layout
+        return self.extract(t)
 
 
 @dataclass(frozen=True)
 class RoleLayout:
-    """The matrices of every role, sorted by layer; ``scheme`` names the naming map used."""
+    """The matrices of every role, sorted by layer, and everything else the checkpoint holds.
+
+    ``scheme`` names the naming map used; ``unmatched`` lists ``{"tensor",
+    "shape", "reason"}`` for every tensor no analysed role uses; ``lora`` one
+    entry per LoRA (module, adapter) pair; ``warnings`` incomplete role
+    families and refused splits, as sentences.
+    """
 
     scheme: str
     roles: dict[str, list[MatrixRef]]
+    unmatched: list[dict] = field(default_factory=list)
+    lora: list[dict] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
 
 
 def parse_role_option(text: str) -> tuple[str, str]:
@@ -109,34 +215,71 @@ def parse_role_option(text: str) -> tuple[str, str]:
     return name, regex
 
 
-def _match(patterns: Sequence[RolePattern], shapes: Mapping[str, tuple[int, ...]]) -> dict[str, dict[int, list[MatrixRef]]]:
-    found: dict[str, dict[int, list[MatrixRef]]] = {}
-    compiled = [(p, re.compile(p.regex)) for p in patterns]
+Found = dict[str, dict[int, list[MatrixRef]]]
+
+
+def _refs(pat: RolePattern, hit: re.Match, name: str, shape: tuple[int, ...], hints: NamingHints) -> list[MatrixRef]:
+    """The matrices ``pat`` takes from tensor ``name`` (several for an expert stack); LayoutError if unsplittable."""
+    group = hit.group("layer") if "layer" in hit.re.groupindex else hit.group(1)
+    if group is None or not group.isdigit():
+        raise FlowgeomError(f"role {pat.role}: the layer group of {pat.regex!r} matched {group!r} in {name}, "
+                            "not a layer number; capture only the digits")
+    want = 3 if pat.experts else 2
+    if len(shape) != want:
+        kind = "a stack of expert matrices (E, out, in)" if pat.experts else "a matrix"
+        raise FlowgeomError(f"tensor {name} (role {pat.role}) has shape {list(shape)}, not {kind}; "
+                            "fix the --role pattern so it matches only 2-D weights")
+    stored = shape[-2:]
+    out, inp = (stored[1], stored[0]) if pat.transpose else stored
+    rows = None
+    if pat.split is not None:
+        i, parts = pat.split
+        if out % parts:
+            raise FlowgeomError(f"fused tensor {name} has {out} output rows, not divisible into {parts} parts")
+        rows = ((i * (out // parts), (i + 1) * (out // parts)),)
+    elif pat.fused is not None:
+        layout, part = pat.fused
+        rows = half_rows(int(part), out) if layout == "halves" else qkv_rows(layout, str(part), out, hints)
+    m = out if rows is None else sum(b - a for a, b in rows)
+    tagged = "expert" in hit.re.groupindex
+    refs = []
+    for e in range(shape[0]) if pat.experts else (None,):
+        idx = e if pat.experts else (int(hit.group("expert")) if tagged else None)
+        role = pat.role.replace("{expert}", str(idx)) if idx is not None else pat.role
+        refs.append(MatrixRef(role, int(group), name, (m, inp), pat.transpose, rows, e))
+    return refs
+
+
+def _match(patterns: Sequence[RolePattern], shapes: Mapping[str, tuple[int, ...]], hints: NamingHints, *,
+           first_only: bool = True) -> tuple[Found, dict[str, str]]:
+    """``(role -> layer -> refs, {refused tensor: reason})``; the first matching regex claims a tensor."""
+    groups: dict[str, list[RolePattern]] = {}
+    for p in patterns:
+        groups.setdefault(p.regex, []).append(p)
+    compiled = [(re.compile(rx), pats) for rx, pats in groups.items()]
+    found: Found = {}
+    refused: dict[str, str] = {}
     for name, shape in shapes.items():
-        for pat, rx in compiled:
-            hit = rx.search(name)
+        key = strip_peft(name)
+        for rx, pats in compiled:
+            hit = rx.search(key)
             if not hit:
                 continue
-            group = hit.group("layer") if "layer" in rx.groupindex else hit.group(1)
-            if group is None or not group.isdigit():
-                raise FlowgeomError(f"role {pat.role}: the layer group of {pat.regex!r} matched {group!r} in {name}, "
-                                    "not a layer number; capture only the digits")
-            layer = int(group)
-            ref = MatrixRef(pat.role, layer, name, _view_shape(name, shape, pat), pat.transpose, pat.split)
-            found.setdefault(pat.role, {}).setdefault(layer, []).append(ref)
-    return found
+            try:
+                refs = [ref for p in pats for ref in _refs(p, hit, name, shape, hints)]
+            except LayoutError as exc:
+                refused[name] = str(exc)
+            else:
+                for ref in refs:
+                    found.setdefault(ref.role, {}).setdefault(ref.layer, []).append(ref)
+            if first_only:
+                break
+    return found, refused
 
 
-def _view_shape(name: str, shape: tuple[int, ...], pat: RolePattern) -> tuple[int, int]:
-    if len(shape) != 2:
-        raise FlowgeomError(f"tensor {name} (role {pat.role}) has shape {list(shape)}, not a matrix; "
-                            "fix the --role pattern so it matches only 2-D weights")
-    out, inp = (shape[1], shape[0]) if pat.transpose else shape
-    if pat.split is not None:
-        if out % pat.split[1]:
-            raise FlowgeomError(f"fused tensor {name} has {out} output rows, not divisible into {pat.split[1]} parts")
-        out //= pat.split[1]
-    return (out, inp)
+def _claimed(result: tuple[Found, dict[str, str]]) -> set[str]:
+    found, refused = result
+    return {r.tensor for by_layer in found.values() for refs in by_layer.values() for r in refs} | set(refused)
 
 
 def _listing(names: Sequence[str], limit: int = 25) -> str:
@@ -144,33 +287,170 @@ def _listing(names: Sequence[str], limit: int = 25) -> str:
     return shown + (f", … ({len(names) - limit} more)" if len(names) > limit else "")
 
 
+def _order(role: str, first: Sequence[str]) -> tuple:
+    if role in first:
+        return (0, first.index(role), 0, "")
+    if role == "router":
+        return (1, 0, 0, "")
+    hit = re.fullmatch(r"expert(\d+)\.(gate|up|down)", role)
+    if hit:
+        return (2, int(hit[1]), _EXPERT_PARTS.index(hit[2]), "")
+    if role in SHARED:
+        return (3, SHARED.index(role), 0, "")
+    return (4, 0, 0, role)
+
+
+def _pair_lora(shapes: Mapping[str, tuple[int, ...]], names: Sequence[str], found: Found,
+               hints: NamingHints) -> list[dict]:
+    """One entry per LoRA (module, adapter); with ``hints.merge_lora`` the chosen adapter is merged into ``found``."""
+    pairs: dict[tuple[str, str], dict[str, str]] = {}
+    for name in names:
+        hit = _LORA.match(strip_peft(name))
+        pairs.setdefault((hit["module"], hit["adapter"] or "default"), {})[hit["ab"]] = name
+    adapters = sorted({a for _, a in pairs})
+    chosen = None
+    if hints.merge_lora:
+        if not pairs:
+            raise FlowgeomError("--merge-lora: no LoRA tensors (….lora_A/lora_B….weight) in this checkpoint; point at "
+                                "a folder holding both the base weights and adapter_model.safetensors (with its "
+                                "adapter_config.json)")
+        chosen = hints.lora_adapter or (adapters[0] if len(adapters) == 1 else None)
+        if chosen not in adapters:
+            raise FlowgeomError(f"--merge-lora: adapter {chosen!r} is not among the adapters found "
+                                f"({', '.join(adapters)}); pass --lora-adapter NAME")
+    bases: dict[str, list[tuple[str, int, int]]] = {}
+    for role, by_layer in found.items():
+        for layer, refs in by_layer.items():
+            for i, ref in enumerate(refs):
+                bases.setdefault(strip_peft(ref.tensor), []).append((role, layer, i))
+    entries = []
+    for (module, adapter), ab in sorted(pairs.items()):
+        targets = bases.get(module + ".weight", [])
+        entry = {"module": module, "adapter": adapter, "A": ab.get("A"), "B": ab.get("B"),
+                 "rank": shapes[ab["A"]][0] if "A" in ab and shapes[ab["A"]] else None,
+                 "roles": [f"{role}@{layer}" for role, layer, _ in targets], "merged": False}
+        if "A" not in ab or "B" not in ab:
+            entry["note"] = "incomplete pair: lora_A or lora_B missing"
+            if adapter == chosen:
+                raise FlowgeomError(f"--merge-lora: module {module} has only lora_{'A' if 'A' in ab else 'B'} for "
+                                    f"adapter {adapter}; the adapter file is incomplete")
+        elif not targets:
+            entry["note"] = "its base weight is not among the analysed roles"
+        elif adapter != chosen:
+            entry["note"] = "not merged: pass --merge-lora to analyse W + s·B·A" if chosen is None else \
+                f"not merged: adapter {chosen} was chosen"
+        else:
+            first = found[targets[0][0]][targets[0][1]][targets[0][2]]
+            stored = shapes[first.tensor]
+            if first.expert is not None:
+                entry["note"] = "LoRA on a fused expert stack is not merged"
+                entries.append(entry)
+                continue
+            out, inp = (stored[1], stored[0]) if first.transpose else stored
+            (r, a_in), (b_out, r2) = shapes[ab["A"]], shapes[ab["B"]]
+            if a_in != inp or b_out != out or r != r2:
+                raise FlowgeomError(f"LoRA {module}: A {list(shapes[ab['A']])} and B {list(shapes[ab['B']])} do not "
+                                    f"fit the base weight (out {out}, in {inp}): A must be (r, {inp}), B ({out}, r); "
+                                    "the adapter belongs to another model")
+            scale = lora_scale(module, adapter, r, hints)
+            for role, layer, i in targets:
+                refs = found[role][layer]
+                refs[i] = replace(refs[i], lora=LoraDelta(ab["A"], ab["B"], scale))
+            entry.update(merged=True, scale=scale)
+        entries.append(entry)
+    return entries
+
+
+def _unmatched_reason(name: str, shape: tuple[int, ...], other: str | None, scheme: str) -> str:
+    if len(shape) <= 1:
+        return "1-D (norm/bias)"
+    if _EMBED.search(strip_peft(name)):
+        return "embedding / LM head"
+    if "lora_" in name:
+        return "LoRA tensor of a kind that is not merged (embedding, DoRA magnitude, …)"
+    if other:
+        return f"matches the {other} naming, not the {scheme} naming of this checkpoint"
+    return "no scheme pattern (analyse it with --role NAME=REGEX)"
+
+
+def _family_warnings(roles: set[str]) -> list[str]:
+    """Sentences for incomplete role families: attention without q, an MLP without down, an expert without up, …"""
+    out = []
+    families = [("attention", ATTENTION, ATTENTION), ("MLP", ("gate", "up", "down"), ("up", "down")),
+                ("shared expert", SHARED[:3], SHARED[:3])]
+    experts = sorted({int(m[1]) for r in roles if (m := re.fullmatch(r"expert(\d+)\.\w+", r))})
+    families += [(f"expert {e}", tuple(f"expert{e}.{p}" for p in _EXPERT_PARTS),
+                  tuple(f"expert{e}.{p}" for p in _EXPERT_PARTS)) for e in experts]
+    for family, members, needed in families:
+        present = [r for r in members if r in roles]
+        missing = [r for r in needed if r not in roles]
+        if present and missing:
+            out.append(f"{family} roles {', '.join(missing)} not found (found {', '.join(present)}); "
+                       "the other roles are analysed")
+    gaps = sorted(set(range(experts[-1] + 1)) - set(experts)) if experts else []
+    if gaps:
+        out.append(f"experts {gaps} not found among experts 0..{experts[-1]}; the others are analysed")
+    return out
+
+
 def resolve_roles(shapes: Mapping[str, tuple[int, ...]], *, custom: Mapping[str, str] | None = None,
-                  only: Sequence[str] | None = None) -> RoleLayout:
+                  only: Sequence[str] | None = None, hints: NamingHints | None = None) -> RoleLayout:
     """Find every role's matrices in ``{tensor name: shape}``; validate before anything is loaded.
 
     Raises :class:`FlowgeomError` when no scheme matches (listing the names
     found), when two tensors claim one (role, layer), when a role's matrices
     change shape between layers, when a role has fewer than two layers, or
-    when layers are missing in the middle.
+    when layers are missing in the middle. A fused tensor whose split is
+    ambiguous (no head counts) is not guessed: it is listed as unmatched with
+    the reason and a warning.
     """
+    hints = hints or NamingHints()
+    lora_names = [n for n in shapes if _LORA.match(strip_peft(n))]
+    plain = {n: s for n, s in shapes.items() if not _LORA.match(strip_peft(n))}
+    others: dict[str, set[str]] = {}
     if custom:
-        scheme, found = "custom", _match([RolePattern(r, rx) for r, rx in custom.items()], shapes)
+        scheme = "custom"
+        found, refused = _match([RolePattern(r, rx) for r, rx in custom.items()], plain, hints, first_only=False)
     else:
-        matches = {name: _match(pats, shapes) for name, pats in SCHEMES.items()}
-        scheme = max(matches, key=lambda s: sum(len(v) for v in matches[s].values()))
-        found = matches[scheme]
+        matches = {name: _match(pats, plain, hints) for name, pats in SCHEMES.items()}
+        scheme = max(matches, key=lambda s: len(_claimed(matches[s])))
+        found, refused = matches[scheme]
+        others = {s: _claimed(m) for s, m in matches.items() if s != scheme}
     if not found:
+        why = "; ".join(f"{n}: {r}" for n, r in list(refused.items())[:3])
         raise FlowgeomError(
-            f"no projection matrices recognised among {len(shapes)} tensors ({_listing(sorted(shapes))}); "
-            f"known namings: {', '.join(SCHEMES)}; pass --role NAME=REGEX with a (\\d+) layer group for others")
+            f"no projection matrices recognised among {len(shapes)} tensors ({_listing(sorted(shapes))})"
+            + (f"; refused: {why}" if why else "")
+            + f"; known namings: {', '.join(SCHEMES)}; pass --role NAME=REGEX with a (\\d+) layer group for others")
+    warnings = _family_warnings(set(found))
+    by_reason: dict[str, list[str]] = {}
+    for name, reason in refused.items():
+        by_reason.setdefault(reason, []).append(name)
+    warnings += [f"{len(names)} fused tensor(s) not split ({_listing(sorted(names), 3)}): {reason}"
+                 for reason, names in by_reason.items()]
+    lora = _pair_lora(shapes, lora_names, found, hints)
+    excluded: dict[str, str] = {}
     if only:
         missing = [r for r in only if r not in found]
         if missing:
-            raise FlowgeomError(f"role(s) {', '.join(missing)} not found; roles present: {', '.join(found)}")
+            why = f" (refused: {next(iter(by_reason))})" if by_reason else ""
+            raise FlowgeomError(f"role(s) {', '.join(missing)} not found; roles present: {', '.join(found)}{why}")
+        for role in set(found) - set(only):
+            for refs in found[role].values():
+                for ref in refs:
+                    excluded.setdefault(ref.tensor, f"role {role} not selected (--roles)")
         found = {r: found[r] for r in only}
-    order = list(custom or ROLES)
-    roles = {r: _validate_role(r, found[r]) for r in sorted(found, key=lambda r: order.index(r) if r in order else 99)}
-    return RoleLayout(scheme, roles)
+    first = list(custom or ROLES)
+    roles = {r: _validate_role(r, found[r]) for r in sorted(found, key=lambda r: _order(r, first))}
+    used = {ref.tensor for refs in roles.values() for ref in refs}
+    unmatched = []
+    for name, shape in shapes.items():
+        if name in used or name in lora_names:
+            continue
+        other = next((s for s, claimed in others.items() if name in claimed), None)
+        reason = refused.get(name) or excluded.get(name) or _unmatched_reason(name, shape, other, scheme)
+        unmatched.append({"tensor": name, "shape": list(shape), "reason": reason})
+    return RoleLayout(scheme, roles, unmatched, lora, warnings)
 
 
 def _validate_role(role: str, by_layer: dict[int, list[MatrixRef]]) -> list[MatrixRef]:
@@ -183,7 +463,12 @@ def _validate_role(role: str, by_layer: dict[int, list[MatrixRef]]) -> list[Matr
         raise FlowgeomError(f"role {role} has only {len(refs)} layer ({refs[0].tensor}); cross-layer continuity "
                             "needs at least two layers")
     layers = [r.layer for r in refs]
-    gaps = sorted(set(range(layers[0], layers[-1] + 1)) - set(layers))
+    missing = layers[-1] - layers[0] + 1 - len(layers)  # indices absent from the span (never materialised)
+    if missing > len(layers):  # e.g. layers 0 and 10**12: a forged or mis-captured index, not a lost shard
+        raise FlowgeomError(f"role {role}: {len(layers)} layers found but their indices run from {layers[0]} to "
+                            f"{layers[-1]} ({refs[-1].tensor}); layer indices must number the layers found "
+                            "consecutively: fix the tensor names, or the --role pattern's layer group")
+    gaps = [x for a, b in zip(layers, layers[1:]) for x in range(a + 1, b)]  # at most len(layers) entries
     if gaps:
         raise FlowgeomError(f"role {role} is missing layer(s) {gaps} between {layers[0]} and {layers[-1]}; "
                             "the checkpoint looks incomplete (a missing shard?)")

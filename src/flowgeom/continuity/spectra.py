@@ -47,11 +47,22 @@ top vector up to O(gap)); no method, full SVD included, returns a stable
 ``(sigma_1 - sigma_2) / sigma_1`` of every matrix (``SingularPairs.gap``), so
 callers can flag such pairs; the top-k subspace alignment stays well defined.
 
+**Extreme scales.** Singular vectors do not depend on scale, but a float32
+Gram does: ``|w| ~ 1e25`` gives entries ``~ n 1e50`` (overflow to inf), ``|w|
+~ 1e-30`` gives ``1e-60`` (flushed to 0, so the matrix looks "all zeros").
+:func:`unit_scale` multiplies each matrix whose ``max|w|`` lies outside
+``[2^-30, 2^30]`` by ``2^-e`` (``max|w| = f 2^e``, ``f`` in [0.5, 1)): a
+power of two, so the scaling is exact and the vectors are those of the
+unscaled matrix bit for bit wherever that one did not over/underflow;
+singular values are scaled back by ``2^e`` in float64
+(:func:`unscale_pairs`). Matrices inside the window are not touched (no copy).
+
 Signs are arbitrary: every metric built on these vectors uses ``|cos|``.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import scipy.linalg
@@ -63,6 +74,7 @@ from flowgeom.errors import FlowgeomError, choice_error
 F64 = torch.float64
 SOLVERS = ("auto", "krylov", "dense")
 DENSE_MAX_DIM = 1536  # CPU crossover dense ?syevr vs block Krylov (benchmarks/continuity_solvers.py)
+SAFE_EXPONENT = 30  # max|w| in [2^-30, 2^30]: float32 Grams of any practical size neither overflow nor underflow
 
 
 @dataclass(frozen=True)
@@ -103,6 +115,46 @@ def as_stack(mats: torch.Tensor) -> tuple[torch.Tensor, bool]:
 def compute_dtype(A: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     """``A`` in the compute dtype (default: float64; half types never stay half)."""
     return A.to(dtype or F64)
+
+
+def unit_scale(A: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(A 2^-e in dtype, e)`` per matrix of ``A`` (m n) or (L m n); ``e`` int64, shape () or (L,).
+
+    ``e = 0`` when ``max|A|`` is within ``2^±SAFE_EXPONENT`` (or 0): then no
+    copy beyond the dtype conversion. Otherwise ``max|A 2^-e|`` is in [0.5, 1)
+    and the scaling is exact (module docstring, "Extreme scales"). A float64
+    ``A`` is scaled before it is narrowed, so 1e300 survives ``dtype=float32``;
+    every other dtype fits float32's range and is converted first. ``A``
+    itself is never modified.
+    """
+    X = A if A.dtype == F64 else A.to(dtype)
+    if X.numel() == 0:
+        return X.to(dtype), torch.zeros(X.shape[:-2], dtype=torch.int64)
+    lo, hi = torch.aminmax(X.flatten(-2), dim=-1) if X.ndim > 2 else torch.aminmax(X)
+    peak = torch.maximum(-lo, hi).to(device="cpu", dtype=F64)  # () or (L,)
+    e = torch.frexp(peak).exponent.to(torch.int64)  # peak = f 2^e, f in [0.5, 1)
+    inside = (peak == 0) | ~torch.isfinite(peak) | ((e > -SAFE_EXPONENT) & (e <= SAFE_EXPONENT))
+    e = torch.where(inside, torch.zeros_like(e), e)
+    if not e.any():
+        return X.to(dtype), e
+    out = X.clone() if X is A else X  # never scale the caller's tensor in place
+    for i, ei in enumerate(e.reshape(-1).tolist()):
+        view = out if out.ndim == 2 else out[i]
+        left = -ei
+        while left:  # steps of at most 2^±100: every factor is a normal float32, every product exact
+            step = max(-100, min(100, left))
+            view.mul_(2.0 ** step)
+            left -= step
+    return out.to(dtype), e
+
+
+def unscale_pairs(pairs: "SingularPairs", e: torch.Tensor) -> "SingularPairs":
+    """Pairs of ``A`` from those of ``A 2^-e`` (:func:`unit_scale`): singular values times ``2^e``, float64."""
+    if not e.any():
+        return pairs
+    factor = torch.tensor([math.ldexp(1.0, int(x)) for x in e.reshape(-1).tolist()], dtype=F64,
+                          device=pairs.S.device).reshape(e.shape)
+    return SingularPairs(pairs.U, pairs.S * factor.unsqueeze(-1), pairs.V, pairs.residual, pairs.iters)
 
 
 def small_gram(A: torch.Tensor) -> tuple[torch.Tensor, str]:
@@ -239,11 +291,12 @@ def top_singular_pairs(mats: torch.Tensor, k: int = 1, *, dtype: torch.dtype | N
     ``solver``: ``auto`` | ``krylov`` | ``dense`` (module docstring).
     """
     A, single = as_stack(mats)
-    A = compute_dtype(A, dtype)
+    A, e = unit_scale(A, dtype or F64)  # exact power-of-two rescale of extreme matrices (module docstring)
     _check_k(k, *A.shape[-2:])
     G, side = small_gram(A)
     pairs = pairs_from_gram(A, G, side, k, solver=solver, oversample=oversample, max_depth=max_depth, tol=tol,
                             tol_rest=tol_rest, seed=seed)
+    pairs = unscale_pairs(pairs, e)
     return pairs[0] if single else pairs
 
 
