@@ -2,14 +2,55 @@
 
 A run folder holds ``config.json``, ``metrics.jsonl`` (one JSON line per
 logged step, flushed as written), ``summary.json``, ``figures/`` and
-``checkpoint.pt`` for resume. Every whole-file write is atomic (temporary
-file in the same folder, then ``os.replace``), so a killed process leaves
-either the old or the new file, never half of one. ``summary.json`` is
-written last: its presence is what marks a run as finished.
+``checkpoint.safetensors`` for resume. Every whole-file write is atomic
+(temporary file in the same folder, then ``os.replace``), so a killed
+process leaves either the old or the new file, never half of one.
+``summary.json`` is written last: its presence is what marks a run as
+finished. :meth:`RunFolder.summary` raises :class:`FlowgeomError` when that
+file is not valid JSON or not a JSON object (it never returns garbage and
+never pretends the run is unfinished).
+
+Strict JSON
+-----------
+Every JSON file and every ``--json`` output goes through :func:`to_json`,
+which writes standard JSON only: tensors and numpy values become numbers or
+lists, and a non-finite float (NaN, +Inf, -Inf) is written as ``null``
+(``allow_nan=False`` guards the rest). A reader that must tell a diverged
+value from a missing one looks at the record's other fields (``status``,
+``diverged``, ``message``); it never sees the non-standard ``NaN`` token.
+
+Checkpoint format (``checkpoint.safetensors``, version 1)
+---------------------------------------------------------
+A checkpoint is one safetensors file, written atomically like every other
+file, so there is no window in which a half-written pair of files exists.
+Loading it parses JSON and copies raw tensor bytes: nothing in the file can
+run code (no pickle anywhere). Its content, for a state tree of dicts,
+lists, tuples, ``None``/bool/int/float/str and tensors:
+
+* every tensor, at any depth, is one safetensors entry named by its dotted
+  path in the tree (``model.fc.weight``, ``optimizer.state.0.exp_avg``,
+  ``generator`` — a ``torch.Generator.get_state()`` is a uint8 tensor),
+  stored on the CPU with its dtype and shape; a repeated path gets ``#n``;
+* the header's ``__metadata__`` holds ``format = "flowgeom-checkpoint"``,
+  ``version = "1"``, ``state`` = the tree as JSON with each tensor replaced
+  by ``{"__tensor__": name}``, and ``sha256`` = the digest of ``state`` and
+  of every tensor's name, dtype, shape and bytes (in name order). In
+  ``state`` a tuple is ``{"__tuple__": [...]}``, a dict whose keys are not
+  all plain strings (an optimiser's integer parameter ids) is
+  ``{"__items__": [[key, value], ...]}`` and a non-finite float is
+  ``{"__float__": "nan" | "inf" | "-inf"}``; everything else is itself.
+
+Round trip is exact (same values, dtypes, shapes, int/float/tuple types), so
+a resumed run computes the same numbers as an uninterrupted one. Saving
+anything else (a callable, a module) is a :class:`FlowgeomError`. Loading a
+file that is truncated, does not parse, or whose digest does not match is a
+:class:`FlowgeomError`. A ``checkpoint.pt`` (the pickle format of earlier
+flowgeom versions) is refused with a message, never opened.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -22,20 +63,50 @@ import torch
 
 from flowgeom.errors import FlowgeomError
 
+CHECKPOINT_FORMAT = "flowgeom-checkpoint"
+CHECKPOINT_VERSION = "1"
 
-def _json_default(obj: Any) -> Any:
+
+def plain(obj: Any) -> Any:
+    """``obj`` as plain JSON values: tensors/numpy to numbers and lists, non-finite floats to ``None``.
+
+    The one place where NaN and ±Inf are mapped (to ``null``); see the module
+    docstring.
+    """
+    if obj is None or isinstance(obj, (str, bool, int)):
+        return obj
+    if isinstance(obj, float):
+        return float(obj) if math.isfinite(obj) else None
+    if isinstance(obj, Mapping):
+        return {k: plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [plain(v) for v in obj]
     if isinstance(obj, torch.Tensor):
-        return obj.tolist()
+        return plain(obj.detach().cpu().tolist())
     if isinstance(obj, Path):
         return str(obj)
+    if hasattr(obj, "tolist"):  # numpy arrays and scalars
+        return plain(obj.tolist())
     if hasattr(obj, "item"):
-        return obj.item()
+        return plain(obj.item())
     raise TypeError(f"cannot write {type(obj).__name__} to JSON")
 
 
 def to_json(obj: Any, **kwargs: Any) -> str:
-    """JSON text for ``obj``; tensors and numpy scalars become numbers, NaN stays NaN."""
-    return json.dumps(obj, default=_json_default, **kwargs)
+    """Strict JSON text for ``obj``: tensors and numpy values become numbers, NaN/±Inf become ``null``."""
+    return json.dumps(plain(obj), allow_nan=False, **kwargs)
+
+
+def read_json_object(path: str | os.PathLike, *, fix: str) -> dict[str, Any]:
+    """The JSON object in ``path``; :class:`FlowgeomError` (ending with ``fix``) when it is anything else."""
+    path = Path(path)
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise FlowgeomError(f"{path} is not readable JSON ({exc}); {fix}") from exc
+    if not isinstance(value, dict):
+        raise FlowgeomError(f"{path} holds a JSON {type(value).__name__}, not an object; {fix}")
+    return value
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
@@ -59,17 +130,121 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
 
 
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
-    """Atomically write ``obj`` as indented JSON."""
+    """Atomically write ``obj`` as indented strict JSON."""
     atomic_write_bytes(path, (to_json(obj, indent=2) + "\n").encode())
 
 
-def atomic_torch_save(path: str | os.PathLike, obj: Any) -> None:
-    """Atomically ``torch.save`` ``obj`` (checkpoints for resume)."""
-    import io
+# ---------------------------------------------------------------- checkpoints (no pickle)
 
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    atomic_write_bytes(path, buf.getvalue())
+_TAGS = ("__tensor__", "__tuple__", "__items__", "__float__")
+
+
+def _encode(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
+    """The JSON tree of ``obj``; tensors are moved into ``tensors`` under their dotted path."""
+    def child(key: Any) -> str:
+        return f"{path}.{key}" if path else str(key)
+
+    if obj is None or isinstance(obj, (bool, str)):
+        return obj if not isinstance(obj, str) else str(obj)
+    if isinstance(obj, int):
+        return int(obj)
+    if isinstance(obj, float):
+        return float(obj) if math.isfinite(obj) else {"__float__": repr(float(obj))}
+    if isinstance(obj, torch.Tensor):
+        name, n = path or "tensor", 1
+        while name in tensors:
+            name, n = f"{path}#{n}", n + 1
+        tensors[name] = obj.detach().to("cpu", copy=True).contiguous()  # a private copy: no shared storage
+        return {"__tensor__": name}
+    if isinstance(obj, list):
+        return [_encode(v, child(i), tensors) for i, v in enumerate(obj)]
+    if isinstance(obj, tuple):
+        return {"__tuple__": [_encode(v, child(i), tensors) for i, v in enumerate(obj)]}
+    if isinstance(obj, Mapping):
+        if all(isinstance(k, str) and not k.startswith("__") for k in obj):
+            return {str(k): _encode(v, child(k), tensors) for k, v in obj.items()}
+        return {"__items__": [[_encode(k, child(f"key{i}"), tensors), _encode(v, child(k), tensors)]
+                              for i, (k, v) in enumerate(obj.items())]}
+    raise FlowgeomError(
+        f"cannot checkpoint a {type(obj).__name__} at {path or 'the top level'}: a checkpoint holds only "
+        "tensors, numbers, strings, None and lists, tuples and dicts of them (never code); "
+        "store the value's data instead"
+    )
+
+
+def _decode(obj: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+    if isinstance(obj, list):
+        return [_decode(v, tensors) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    if len(obj) == 1 and next(iter(obj)) in _TAGS:
+        tag, value = next(iter(obj.items()))
+        if tag == "__tensor__":
+            if not isinstance(value, str) or value not in tensors:
+                raise ValueError(f"its state names a tensor {value!r} that the file does not hold")
+            return tensors[value]
+        if tag == "__tuple__":
+            return tuple(_decode(v, tensors) for v in value)
+        if tag == "__items__":
+            return {_decode(k, tensors): _decode(v, tensors) for k, v in value}
+        if value not in ("nan", "inf", "-inf"):
+            raise ValueError(f"bad float {value!r}")
+        return float(value)
+    return {k: _decode(v, tensors) for k, v in obj.items()}
+
+
+def _digest(state_text: str, tensors: Mapping[str, torch.Tensor]) -> str:
+    h = hashlib.sha256(state_text.encode())
+    for name in sorted(tensors):
+        t = tensors[name]
+        h.update(f"\0{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())  # the raw bytes, (numel * itemsize,)
+    return h.hexdigest()
+
+
+def encode_checkpoint(state: Mapping[str, Any]) -> bytes:
+    """The bytes of a version-1 checkpoint of ``state``; see the module docstring."""
+    import safetensors.torch
+
+    tensors: dict[str, torch.Tensor] = {}
+    state_text = json.dumps(_encode(dict(state), "", tensors), allow_nan=False, separators=(",", ":"))
+    meta = {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "state": state_text,
+            "sha256": _digest(state_text, tensors)}
+    try:
+        return safetensors.torch.save(tensors, metadata=meta)
+    except Exception as exc:  # noqa: BLE001 - e.g. a dtype safetensors cannot store
+        raise FlowgeomError(f"cannot write the checkpoint: {exc}") from exc
+
+
+def decode_checkpoint(data: bytes, *, source: str = "checkpoint") -> dict[str, Any]:
+    """The state written by :func:`encode_checkpoint`; :class:`FlowgeomError` for anything else.
+
+    Parses JSON and copies tensor bytes only: no byte of ``data`` is run as code.
+    """
+    import safetensors.torch
+
+    try:
+        if len(data) < 8:
+            raise ValueError(f"{len(data)} bytes, shorter than the 8-byte header length")
+        size = int.from_bytes(data[:8], "little")
+        if size > len(data) - 8:
+            raise ValueError(f"its header claims {size} bytes but only {len(data) - 8} follow")
+        header = json.loads(data[8:8 + size])
+        meta = header.get("__metadata__") if isinstance(header, dict) else None
+        if not isinstance(meta, dict) or meta.get("format") != CHECKPOINT_FORMAT:
+            raise ValueError("it is not a flowgeom checkpoint")
+        if meta.get("version") != CHECKPOINT_VERSION:
+            raise ValueError(f"format version {meta.get('version')!r} is not {CHECKPOINT_VERSION!r}")
+        tensors = safetensors.torch.load(data)
+        if _digest(meta["state"], tensors) != meta.get("sha256"):
+            raise ValueError("its content does not match its sha256 (the file was modified or damaged)")
+        state = _decode(json.loads(meta["state"]), tensors)
+        if not isinstance(state, dict):
+            raise ValueError(f"its state is a {type(state).__name__}, not a dict")
+    except Exception as exc:  # noqa: BLE001 - every way a file can be broken gets the same clear message
+        raise FlowgeomError(f"{source} is corrupt or truncated ({type(exc).__name__}: {exc}); delete it and "
+                            "resume again (the run restarts from its first step)") from exc
+    return state
 
 
 class RunFolder:
@@ -84,7 +259,8 @@ class RunFolder:
     CONFIG = "config.json"
     METRICS = "metrics.jsonl"
     SUMMARY = "summary.json"
-    CHECKPOINT = "checkpoint.pt"
+    CHECKPOINT = "checkpoint.safetensors"
+    LEGACY_CHECKPOINT = "checkpoint.pt"  # pickle, written by flowgeom before checkpoint format 1; refused
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
@@ -111,7 +287,7 @@ class RunFolder:
                     f"run folder {self.path} already holds a run; pass --resume to continue it "
                     "or choose another --out"
                 )
-            old = json.loads(cfg_path.read_text())
+            old = read_json_object(cfg_path, fix="delete the run folder and run it again")
             if old != config:
                 changed = sorted(k for k in set(old) | set(config) if old.get(k) != config.get(k))
                 raise FlowgeomError(
@@ -137,14 +313,17 @@ class RunFolder:
         return list(self.iter_metrics())
 
     def iter_metrics(self) -> Iterator[dict[str, Any]]:
+        """The metrics records; lines that are not a JSON object (a torn last line) are skipped."""
         path = self.path / self.METRICS
         if not path.exists():
             return
-        for line in path.read_text().splitlines():
+        for line in path.read_text(errors="replace").splitlines():
             try:
-                yield json.loads(line)
+                record = json.loads(line)
             except json.JSONDecodeError:
                 continue
+            if isinstance(record, dict):
+                yield record
 
     def truncate_metrics(self, *, after_step: int, key: str = "step") -> None:
         """Drop metric lines logged after ``after_step`` (used when resuming from a checkpoint)."""
@@ -152,18 +331,43 @@ class RunFolder:
         atomic_write_bytes(self.path / self.METRICS, "".join(to_json(m) + "\n" for m in kept).encode())
 
     def save_checkpoint(self, state: Mapping[str, Any]) -> None:
-        atomic_torch_save(self.path / self.CHECKPOINT, dict(state))
+        """Atomically write ``state`` as ``checkpoint.safetensors`` (format in the module docstring)."""
+        atomic_write_bytes(self.path / self.CHECKPOINT, encode_checkpoint(state))
 
     def load_checkpoint(self) -> dict[str, Any] | None:
+        """The last checkpoint's state, or ``None`` when the run has none; never unpickles.
+
+        Raises :class:`FlowgeomError` for a damaged checkpoint and for an
+        old-format ``checkpoint.pt`` (which is never opened).
+        """
         path = self.path / self.CHECKPOINT
-        if not path.exists():
-            return None
-        return torch.load(path, map_location="cpu", weights_only=False)
+        if path.exists():
+            try:
+                data = path.read_bytes()
+            except OSError as exc:
+                raise FlowgeomError(f"cannot read the checkpoint {path}: {exc.strerror}; delete it and resume "
+                                    "again (the run restarts from its first step)") from exc
+            return decode_checkpoint(data, source=f"the checkpoint {path}")
+        legacy = self.path / self.LEGACY_CHECKPOINT
+        if legacy.exists():
+            raise FlowgeomError(
+                f"{legacy} is in the old pickle format, which flowgeom no longer loads because unpickling can "
+                "execute code; delete it and resume again (the run restarts from its first step), or rerun "
+                "without --resume into a fresh --out"
+            )
+        return None
 
     def finish(self, summary: Mapping[str, Any]) -> None:
         """Write ``summary.json`` last: only then is the run complete."""
         atomic_write_json(self.path / self.SUMMARY, dict(summary))
 
     def summary(self) -> dict[str, Any] | None:
+        """``summary.json`` of a finished run, ``None`` before it finished.
+
+        A summary that is not valid JSON or not a JSON object raises
+        :class:`FlowgeomError` (it was damaged or edited: the run must be redone).
+        """
         path = self.path / self.SUMMARY
-        return json.loads(path.read_text()) if path.exists() else None
+        if not path.exists():
+            return None
+        return read_json_object(path, fix=f"the run in {self.path} must be redone: delete that folder and rerun")

@@ -76,7 +76,7 @@ def test_kill9_then_resume_equals_an_uninterrupted_sweep(tmp_path):
     first, second = None, None
     while time.time() < deadline:
         done = sorted(out.glob("runs/*/*/summary.json"))
-        ckpts = [p for p in out.glob("runs/*/*/checkpoint.pt") if not (p.parent / "summary.json").exists()]
+        ckpts = [p for p in out.glob("runs/*/*/checkpoint.safetensors") if not (p.parent / "summary.json").exists()]
         if done and ckpts and len(list(ckpts[0].parent.glob("metrics.jsonl"))) and \
                 len((ckpts[0].parent / "metrics.jsonl").read_text().splitlines()) >= 3:
             first, second = done[0], ckpts[0].parent

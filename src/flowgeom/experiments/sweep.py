@@ -3,8 +3,12 @@
 Layout under ``out``::
 
     out/runs/<claim id>/<run id>/   one RunFolder per config (config.json,
-                                    metrics.jsonl, checkpoint.pt, timing.json,
-                                    summary.json written last = finished)
+                                    metrics.jsonl, checkpoint.safetensors,
+                                    timing.json, summary.json written last =
+                                    finished)
+    out/manifest.json               sha256 of each finished run's result files
+    out/rejected/<claim>/<run id>/  a finished run whose files no longer
+                                    matched the manifest, moved aside
 
 Run ids are deterministic functions of the config
 (:func:`flowgeom.experiments.registry.run_id`), so a second invocation finds
@@ -12,6 +16,18 @@ the same folders. With ``resume`` a finished run (``summary.json`` present) is
 skipped and an interrupted one is handed to its run function with
 ``resume=True`` to continue from its checkpoint. Without ``resume`` a sweep
 refuses an ``out`` that already holds runs.
+
+Tamper evidence: when a run finishes, its worker hashes the run's result
+files (every ``*.json`` and ``*.jsonl`` in the run folder, at any depth:
+summary, config, metrics, timing and those of nested runs, which is what the
+verdicts read) and the sweep driver, the manifest's only writer, records the
+digests in ``out/manifest.json``. Before a sweep reuses a finished run it
+checks that the files are exactly the recorded ones and that
+``summary.json`` is a JSON object. A run that fails the check (edited,
+truncated, missing or added file, no manifest entry, unreadable manifest) is
+redone from scratch, with one ``flowgeom: warning:`` line on stderr naming
+the run and the file; its old folder is moved to ``out/rejected/``. When it
+cannot be moved it is refused: the run is reported failed, never reused.
 
 Backends: ``local`` runs sequentially in this process (``jobs=1``) or in a
 spawn-context process pool (``jobs>1``); ``ray`` submits one Ray task per run
@@ -24,13 +40,16 @@ reason; every other run still finishes and keeps its result.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import hashlib
+import json
 import multiprocessing
 import os
+import shutil
 import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +60,8 @@ from flowgeom.runs import RunFolder, atomic_write_bytes, atomic_write_json
 BACKENDS = ("local", "ray")
 TIMING = "timing.json"
 ERROR = "error.txt"
+MANIFEST = "manifest.json"
+REJECTED = "rejected"
 
 
 @dataclass(frozen=True)
@@ -67,6 +88,7 @@ class Outcome:
     seconds: float = 0.0
     error: str = ""
     resumed: bool = False
+    files: dict[str, str] = field(default_factory=dict, compare=False)  # sha256 of the result files (finished)
 
     def as_dict(self) -> dict[str, Any]:
         return {"run": self.key, "status": self.status, "seconds": round(self.seconds, 3),
@@ -130,7 +152,7 @@ def execute(spec: RunSpec, resume: bool) -> Outcome:
         atomic_write_json(folder.path / TIMING, {"seconds": seconds, "cpu_seconds": time.process_time() - cpu,
                                                  "resumed": resuming, "pid": os.getpid()})
         folder.finish(summary)
-        return Outcome(spec.key, "finished", seconds, resumed=resuming)
+        return Outcome(spec.key, "finished", seconds, resumed=resuming, files=result_files(folder.path))
     except Exception as exc:  # noqa: BLE001 - every failure is reported, the sweep goes on
         reason = _reason(exc)
         try:
@@ -138,6 +160,107 @@ def execute(spec: RunSpec, resume: bool) -> Outcome:
         except Exception:  # noqa: BLE001 - the folder itself may be what failed
             pass
         return Outcome(spec.key, "failed", time.perf_counter() - start, error=reason, resumed=resuming)
+
+
+def result_files(path: str | os.PathLike) -> dict[str, str]:
+    """sha256 of every ``*.json``/``*.jsonl`` file in the run folder ``path`` (any depth), by relative path."""
+    path = Path(path)
+    files = {}
+    for p in sorted(path.rglob("*")):
+        if p.suffix in (".json", ".jsonl") and not p.name.startswith(".") and p.is_file():
+            files[p.relative_to(path).as_posix()] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return files
+
+
+class Manifest:
+    """``out/manifest.json``: ``{"format", "version", "runs": {"<claim>/<run>": {"files": {name: sha256}}}}``.
+
+    Written only by the sweep driver (one writer, atomic rewrites); read
+    before finished runs are reused. See the module docstring.
+    """
+
+    FORMAT = "flowgeom-sweep-manifest"
+
+    def __init__(self, root: Path):
+        self.path = root / MANIFEST
+        self.runs: dict[str, dict[str, Any]] = {}
+        self.problem = ""  # why no entry can be trusted (no or unreadable manifest)
+        if not self.path.exists():
+            self.problem = f"the sweep has no {MANIFEST} recording its files"
+            return
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            self.problem = f"{self.path} is unreadable ({type(exc).__name__})"
+            return
+        runs = data.get("runs") if isinstance(data, dict) and data.get("format") == self.FORMAT else None
+        if not isinstance(runs, dict) or not all(
+                isinstance(e, dict) and isinstance(e.get("files"), dict)
+                and all(isinstance(k, str) and isinstance(v, str) for k, v in e["files"].items())
+                for e in runs.values()):
+            self.problem = f"{self.path} is not a flowgeom sweep manifest"
+            return
+        self.runs = runs
+
+    def mismatch(self, spec: RunSpec) -> str | None:
+        """Why the finished run of ``spec`` cannot be reused (naming the file), or ``None`` if it can."""
+        entry = self.runs.get(spec.key)
+        if entry is None:
+            return self.problem or f"it is not recorded in {self.path} (finished before a kill, or by an older flowgeom)"
+        want, have = entry["files"], result_files(spec.path)
+        for name in sorted(set(want) | set(have)):
+            if name not in have:
+                return f"{name} is missing"
+            if name not in want:
+                return f"{name} appeared after the run finished"
+            if have[name] != want[name]:
+                return f"{name} changed after the run finished"
+        try:
+            RunFolder(spec.path).summary()
+        except FlowgeomError:
+            return f"{RunFolder.SUMMARY} is not a JSON object"
+        return None
+
+    def record(self, key: str, files: dict[str, str]) -> None:
+        self.runs[key] = {"files": dict(files)}
+        self._write()
+
+    def forget(self, key: str) -> None:
+        if self.runs.pop(key, None) is not None:
+            self._write()
+
+    def _write(self) -> None:
+        atomic_write_json(self.path, {"format": self.FORMAT, "version": 1, "runs": self.runs})
+
+
+def _root(spec: RunSpec) -> Path:
+    """The sweep's ``out`` folder (``spec.path`` is ``out/runs/<claim>/<run>``)."""
+    return spec.path.parent.parent.parent
+
+
+def warn(message: str) -> None:
+    print(f"flowgeom: warning: {message}", file=sys.stderr, flush=True)
+
+
+def vet(spec: RunSpec, manifest: Manifest) -> Outcome | None:
+    """Make a finished run safe to reuse: keep it, or move it aside to be redone; a failed Outcome if neither."""
+    if not RunFolder(spec.path).finished:
+        return None
+    reason = manifest.mismatch(spec)
+    if reason is None:
+        return None
+    aside = _root(spec) / REJECTED / spec.claim_id / spec.run_id
+    try:
+        if aside.exists():
+            shutil.rmtree(aside)
+        aside.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(spec.path, aside)
+    except OSError as exc:
+        return Outcome(spec.key, "failed", error=f"its results cannot be trusted ({reason}) and the folder could not "
+                       f"be moved aside ({exc.strerror}); delete {spec.path} and rerun with --resume")
+    warn(f"run {spec.key} is redone: {reason}; its old folder is kept in {aside}")
+    manifest.forget(spec.key)
+    return None
 
 
 def _reason(exc: BaseException) -> str:
@@ -183,17 +306,42 @@ def run_sweep(specs: Sequence[RunSpec], *, backend: str = "local", jobs: int = 1
         raise FlowgeomError(f"--jobs must be a positive integer, got {jobs}")
     start = time.perf_counter()
     on_start = on_start or (lambda spec: None)
-    on_done = on_done or (lambda spec, outcome: None)
-    if backend == "ray":
-        done = _run_ray(specs, resume=resume, jobs=jobs, on_start=on_start, on_done=on_done)
+    user_done = on_done or (lambda spec, outcome: None)
+    manifests: dict[Path, Manifest] = {}
+    for spec in specs:
+        manifests.setdefault(_root(spec), Manifest(_root(spec)))
+    refused = {}
+    for spec in specs:
+        outcome = vet(spec, manifests[_root(spec)])
+        if outcome is not None:
+            refused[spec.key] = outcome
+    todo = [spec for spec in specs if spec.key not in refused]
+
+    def on_done(spec: RunSpec, outcome: Outcome) -> None:
+        if outcome.status == "finished":
+            try:
+                manifests[_root(spec)].record(spec.key, outcome.files)
+            except FlowgeomError as exc:
+                warn(f"run {spec.key} finished but is not recorded in the sweep manifest ({exc}); "
+                     "a --resume will redo it")
+        user_done(spec, outcome)
+
+    if not todo:
+        done = {}
+    elif backend == "ray":
+        done = _run_ray(todo, resume=resume, jobs=jobs, on_start=on_start, on_done=on_done)
     elif jobs == 1:
         done = {}
-        for spec in specs:
+        for spec in todo:
             on_start(spec)
             done[spec.key] = execute(spec, resume)
             on_done(spec, done[spec.key])
     else:
-        done = _run_pool(specs, resume=resume, jobs=jobs, on_start=on_start, on_done=on_done)
+        done = _run_pool(todo, resume=resume, jobs=jobs, on_start=on_start, on_done=on_done)
+    for spec in specs:
+        if spec.key in refused:
+            done[spec.key] = refused[spec.key]
+            user_done(spec, refused[spec.key])
     return SweepResult(tuple(done[s.key] for s in specs), time.perf_counter() - start, backend)
 
 

@@ -45,6 +45,8 @@ import torch
 from flowgeom.errors import FlowgeomError
 
 Schedule = float | Callable[[int], float]
+_SCHEDULED = ("lr", "temperature")
+_SCHEDULE_MARK = "schedule"  # a callable schedule in state_dict (code is never saved)
 
 
 def _value(schedule: Schedule, step: int, name: str) -> float:
@@ -104,13 +106,36 @@ class Langevin(torch.optim.Optimizer):
 
     # -- state -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        """Tensors and plain values only (checkpoints hold no code).
+
+        A callable ``lr``/``temperature`` schedule is code: it is saved as the
+        marker ``"schedule"`` and :meth:`load_state_dict` keeps this
+        optimiser's own callable in its place.
+        """
         state = super().state_dict()
+        for group in state["param_groups"]:  # fresh dicts made by torch: safe to edit
+            for key in _SCHEDULED:
+                if callable(group.get(key)):
+                    group[key] = _SCHEDULE_MARK
         state["langevin"] = {"step_count": self.step_count, "generator": self.generator.get_state()}
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state_dict = dict(state_dict)
         extra = state_dict.pop("langevin", None)
+        groups = []
+        for saved, live in zip(state_dict.get("param_groups", []), self.param_groups):
+            saved = dict(saved)
+            for key in _SCHEDULED:
+                if saved.get(key) == _SCHEDULE_MARK:
+                    if not callable(live.get(key)):
+                        raise FlowgeomError(f"this state was saved with a callable {key} schedule but the "
+                                            f"optimiser has {key}={live.get(key)!r}; build it with the same "
+                                            "schedule before loading")
+                    saved[key] = live[key]
+            groups.append(saved)
+        if "param_groups" in state_dict:
+            state_dict["param_groups"] = groups + list(state_dict["param_groups"][len(groups):])
         super().load_state_dict(state_dict)
         if extra is not None:
             self.step_count = int(extra["step_count"])
