@@ -64,7 +64,8 @@ def print_report(report: dict) -> None:
         for key, _ in shown:
             m = r["metrics"][key]
             cells.append(f"{m['mean']:.3f}±{m['std']:.3f} ({m['baseline']:.3f}, {m['ratio']:.1f}×)")
-        table.add_row(escape(role), "×".join(map(str, r["shape"])), *cells, r["verdict"])
+        label = role + (" (+LoRA)" if r.get("merged_lora") else "")
+        table.add_row(escape(label), "×".join(map(str, r["shape"])), *cells, r["verdict"])
     out = console()
     out.print(table)
     out.print(f"verdict: ratio of mean |cos| to its random baseline >= {cfg['threshold']} "
@@ -73,6 +74,32 @@ def print_report(report: dict) -> None:
     if low:
         out.print("near-degenerate sigma_1 ~ sigma_2 in: " + ", ".join(low) + "; their v1/u1 are unstable, "
                   "read the subspace columns")
+    for line in inventory_lines(report):
+        out.print(escape(line))
+
+
+def inventory_lines(report: dict) -> list[str]:
+    """What the table does not show: unmatched tensors (layer indices folded to N) and LoRA pairs."""
+    import re
+
+    groups: dict[tuple[str, str], int] = {}
+    for u in report.get("unmatched", []):
+        key = (re.sub(r"(?<=\.)\d+(?=\.)", "N", u["tensor"]), u["reason"])
+        groups[key] = groups.get(key, 0) + 1
+    lines = [f"not analysed ({len(report.get('unmatched', []))} tensors):"] if groups else []
+    lines += [f"  {name}{f' ×{n}' if n > 1 else ''}: {reason}" for (name, reason), n in groups.items()]
+    lora = report.get("lora", [])
+    if lora:
+        merged = sum(e["merged"] for e in lora)
+        adapters = sorted({e["adapter"] for e in lora})
+        lines.append(f"LoRA: {len(lora)} adapted module(s), adapter(s) {', '.join(adapters)}, {merged} merged "
+                     "(W + s·B·A)" + ("" if merged else "; pass --merge-lora to analyse the adapted weights"))
+        notes: dict[str, int] = {}
+        for e in lora:
+            if e.get("note"):
+                notes[e["note"]] = notes.get(e["note"], 0) + 1
+        lines += [f"  {n} module(s): {note}" for note, n in notes.items()]
+    return lines
 
 
 def run_analyze(args: argparse.Namespace) -> int:
@@ -89,7 +116,8 @@ def run_analyze(args: argparse.Namespace) -> int:
         k=args.k, distances=args.distance, roles=tuple(args.roles.split(",")) if args.roles else None,
         max_layers=args.max_layers, device=str(device), dtype=args.dtype, baseline=args.baseline,
         draws=args.draws, seed=args.seed, batch=args.batch, threshold=args.threshold, solver=args.solver,
-        gram=not args.no_gram,
+        gram=not args.no_gram, heads=args.heads, kv_heads=args.kv_heads, merge_lora=args.merge_lora,
+        lora_adapter=args.lora_adapter,
     )
     bar, update = _progress(not args.json)
     if bar is not None:
@@ -97,6 +125,8 @@ def run_analyze(args: argparse.Namespace) -> int:
             report = analyze(args.source, config, custom_roles=custom, progress=update)
     else:
         report = analyze(args.source, config, custom_roles=custom)
+    for warning in report["warnings"]:  # incomplete role families, fused tensors not split: never silent
+        print(f"flowgeom: warning: {warning}", file=sys.stderr)
     # Everything validated and computed: only now write outputs (atomically).
     figure = heatmap_bytes(report, fmt=fmt) if fmt else None
     if args.out:
@@ -127,7 +157,14 @@ def add_analyze(verbs) -> None:
     p.add_argument("--out", metavar="FILE", help="also write the JSON report to FILE (atomically)")
     p.add_argument("--role", action="append", metavar="NAME=REGEX",
                    help="custom role: regex over tensor names with a (\\d+) layer group; repeat per role")
-    p.add_argument("--roles", metavar="LIST", help="only these roles, comma-separated (e.g. q,k,down)")
+    p.add_argument("--roles", metavar="LIST", help="only these roles, comma-separated (e.g. q,k,down,router,expert0.up)")
+    p.add_argument("--heads", type=int, metavar="H", help="query heads, to split fused q|k|v tensors (Phi-3 qkv_proj, "
+                                                          "GPT-NeoX/Falcon query_key_value); default: config.json")
+    p.add_argument("--kv-heads", type=int, metavar="KV", help="key/value heads for that split (default: config.json)")
+    p.add_argument("--merge-lora", action="store_true",
+                   help="analyse W + s·B·A for PEFT LoRA-adapted projections (s = lora_alpha/r from "
+                        "adapter_config.json, alpha/sqrt(r) with rslora) instead of the frozen base W")
+    p.add_argument("--lora-adapter", metavar="NAME", help="which adapter to merge when several are present")
     p.add_argument("--k", type=int, default=8, help="top-k singular pairs for subspace/index metrics (default 8)")
     p.add_argument("--distance", type=_distances, default=(1,), metavar="D[,D...]",
                    help="layer distances (default 1 = adjacent); the first drives table and verdict")

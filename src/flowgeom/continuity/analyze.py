@@ -28,6 +28,7 @@ import torch
 from flowgeom.continuity import _blas
 from flowgeom.continuity.baselines import METRICS, analytic_baselines, monte_carlo_baselines
 from flowgeom.continuity.metrics import gram_fro, gram_numerator, pair_metrics
+from flowgeom.continuity.layouts import NamingHints, hints_for
 from flowgeom.continuity.naming import MatrixRef, resolve_roles
 from flowgeom.continuity.sources import TensorSource, open_source
 from flowgeom.continuity.spectra import SOLVERS, pairs_from_gram, small_gram, unit_scale, unscale_pairs
@@ -53,6 +54,10 @@ class AnalyzeConfig:
     tol: float = 1e-10  # Krylov residual tolerance (relative to sigma_1^2)
     solver: str = "auto"  # top-k eigenpairs of the Gram: auto | krylov | dense (see spectra.py)
     gram: bool = True  # sigma^2-Gram similarity: an exact m n^2 cross product per pair off the small side
+    heads: int | None = None  # query heads for splitting fused q|k|v (default: from the model config)
+    kv_heads: int | None = None  # key/value heads for splitting fused q|k|v (default: from the model config)
+    merge_lora: bool = False  # analyse W + s·B A for PEFT LoRA-adapted projections instead of the base W
+    lora_adapter: str | None = None  # which adapter to merge when the checkpoint holds several
 
     def __post_init__(self):
         for name in ("k", "batch", "draws"):
@@ -61,6 +66,10 @@ class AnalyzeConfig:
                 raise FlowgeomError(f"--{name} must be a positive integer, got {value!r}")
         if not self.distances or any(not isinstance(d, int) or d < 1 for d in self.distances):
             raise FlowgeomError(f"--distance must be positive integers, got {list(self.distances)}")
+        for name in ("heads", "kv_heads"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise FlowgeomError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
         if self.max_layers is not None and self.max_layers < 2:
             raise FlowgeomError(f"--max-layers must be >= 2 (pairs need two layers), got {self.max_layers}")
         require_choices(self, dtype=DTYPES, solver=SOLVERS, baseline=BASELINES)
@@ -101,25 +110,43 @@ def _stats(values: Sequence[float]) -> dict[str, float]:
 class Analyzer:
     """Streams one role at a time; see module docstring. Use :func:`analyze`."""
 
-    def __init__(self, source: TensorSource, config: AnalyzeConfig, custom: Mapping[str, str] | None = None):
+    def __init__(self, source: TensorSource, config: AnalyzeConfig, custom: Mapping[str, str] | None = None,
+                 hints: NamingHints | None = None):
         self.source, self.config = source, config
-        self.layout = resolve_roles(source.shapes, custom=custom, only=config.roles)
+        hints = hints or NamingHints(heads=config.heads, kv_heads=config.kv_heads, merge_lora=config.merge_lora,
+                                     lora_adapter=config.lora_adapter)
+        self.layout = resolve_roles(source.shapes, custom=custom, only=config.roles, hints=hints)
+        self.k_of: dict[str, int] = {}  # top-k per role: a router may have fewer rows (experts) than --k
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.dtype]
         self.metrics = METRICS if config.gram else tuple(m for m in METRICS if not m.startswith("gram_"))
         for role, refs in self.layout.roles.items():
-            refs = refs[: config.max_layers] if config.max_layers else refs
+            if config.max_layers and len(refs) > config.max_layers:
+                self._drop(refs[config.max_layers:], f"beyond --max-layers {config.max_layers}")
+                refs = refs[: config.max_layers]
             self.layout.roles[role] = refs
             m, n = refs[0].shape
-            if config.k > min(m, n):
+            self.k_of[role] = config.k
+            if config.k > min(m, n) and (role == "router" or role.endswith(".router")):
+                self.k_of[role] = min(m, n)  # one row per expert (a shared-expert gate has one row)
+            elif config.k > min(m, n):
                 raise FlowgeomError(f"--k {config.k} exceeds the rank bound {min(m, n)} of role {role} {[m, n]}; lower --k")
             if min(config.distances) >= len(refs):
                 raise FlowgeomError(f"--distance {min(config.distances)} leaves no pair among the {len(refs)} layers "
                                     f"of role {role}; use a distance below {len(refs)}")
 
+    def _drop(self, refs: list[MatrixRef], reason: str) -> None:
+        """List the tensors of ``refs`` as unmatched with ``reason`` (once each)."""
+        listed = {u["tensor"] for u in self.layout.unmatched}
+        for ref in refs:
+            if ref.tensor not in listed:
+                listed.add(ref.tensor)
+                self.layout.unmatched.append({"tensor": ref.tensor, "shape": list(self.source.shapes[ref.tensor]),
+                                              "reason": reason})
+
     def _load(self, ref: MatrixRef) -> tuple[torch.Tensor, torch.Tensor]:
         """``(A 2^-e, e)`` in the compute dtype: extreme weights (1e25, 1e-30) rescaled exactly (spectra.unit_scale)."""
-        t = ref.extract(self.source.load(ref.tensor))
+        t = ref.load(self.source)  # one tensor (or one expert of a stack), fused rows selected, LoRA merged
         return unit_scale(t.to(device=self.device), self.dtype)  # (m, n), ()
 
     def _layer_states(self, refs: list[MatrixRef]) -> list[_LayerState]:
@@ -129,7 +156,7 @@ class Analyzer:
         mats = loaded[0].unsqueeze(0) if len(loaded) == 1 else torch.stack(loaded)  # (B, m, n), no copy for B = 1
         del loaded
         grams, side = small_gram(mats)
-        pairs = pairs_from_gram(mats, grams, side, self.config.k, solver=self.config.solver, tol=self.config.tol,
+        pairs = pairs_from_gram(mats, grams, side, self.k_of[refs[0].role], solver=self.config.solver, tol=self.config.tol,
                                 seed=self.config.seed)
         pairs = unscale_pairs(pairs, exps)  # true singular values (vectors and ratios are scale-free)
         fros = gram_fro(mats, grams)
@@ -172,16 +199,17 @@ class Analyzer:
                     progress(1)
         return run
 
-    def baselines(self, shape: tuple[int, int]) -> tuple[dict[str, float], dict[str, float]]:
+    def baselines(self, shape: tuple[int, int], k: int | None = None) -> tuple[dict[str, float], dict[str, float]]:
+        k = k or self.config.k
         if self.config.baseline == "analytic":
-            return analytic_baselines(shape, k=self.config.k), {}
-        mc = monte_carlo_baselines(shape, k=self.config.k, draws=self.config.draws, seed=self.config.seed,
+            return analytic_baselines(shape, k=k), {}
+        mc = monte_carlo_baselines(shape, k=k, draws=self.config.draws, seed=self.config.seed,
                                    device=self.device)
         return {key: v[0] for key, v in mc.items()}, {key: v[1] for key, v in mc.items()}
 
     def summarise(self, role: str, run: _RoleRun) -> dict:
         shape = run.refs[0].shape
-        base, base_std = self.baselines(shape)
+        base, base_std = self.baselines(shape, self.k_of[role])
         first = self.config.distances[0]
         metrics = {}
         for key in self.metrics:
@@ -194,7 +222,8 @@ class Analyzer:
                                 for key in self.metrics} for d in self.config.distances}
         r_in, r_out = metrics["v1"]["ratio"], metrics["u1"]["ratio"]
         return {
-            "shape": list(shape), "layers": [r.layer for r in run.refs], "tensors": [r.tensor for r in run.refs],
+            "shape": list(shape), "k": self.k_of[role], "layers": [r.layer for r in run.refs],
+            "tensors": [r.tensor for r in run.refs], "merged_lora": sum(r.lora is not None for r in run.refs),
             "v1": metrics["v1"]["mean"], "u1": metrics["u1"]["mean"],
             "v1_std": metrics["v1"]["std"], "u1_std": metrics["u1"]["std"],
             "v1_baseline": base["v1"], "u1_baseline": base["u1"], "v1_ratio": r_in, "u1_ratio": r_out,
@@ -210,11 +239,17 @@ def analyze(source, config: AnalyzeConfig | None = None, *, custom_roles: Mappin
 
     ``progress(role, done, total)`` is called after every layer. The report
     holds ``{"source", "scheme", "layers", "config", "roles": {ROLE: {"v1", "u1",
-    "v1_baseline", "u1_baseline", "verdict", "metrics", "pairs", …}}, "seconds"}``.
+    "v1_baseline", "u1_baseline", "verdict", "metrics", "pairs", …}}, "unmatched":
+    [{"tensor", "shape", "reason"}], "lora": [{"module", "adapter", "A", "B", "rank",
+    "roles", "merged", …}], "warnings": [str], "seconds"}``. The model config
+    (``config.json`` next to the weights, or ``model.config``) gives the head
+    counts that split fused q|k|v tensors and, for PEFT, the LoRA scales.
     """
     config = config or AnalyzeConfig()
     src = open_source(source)
-    analyzer = Analyzer(src, config, custom_roles)
+    hints = hints_for(source, heads=config.heads, kv_heads=config.kv_heads, merge_lora=config.merge_lora,
+                      lora_adapter=config.lora_adapter)
+    analyzer = Analyzer(src, config, custom_roles, hints)
     t0 = time.perf_counter()
     roles = {}
     # CPU: torch glue single-threaded, BLAS threads as the caller set them (see _blas.cpu_threads)
@@ -236,5 +271,8 @@ def analyze(source, config: AnalyzeConfig | None = None, *, custom_roles: Mappin
         "layers": max(len(refs) for refs in analyzer.layout.roles.values()),
         "config": asdict(config),
         "roles": roles,
+        "unmatched": analyzer.layout.unmatched,
+        "lora": analyzer.layout.lora,
+        "warnings": analyzer.layout.warnings,
         "seconds": time.perf_counter() - t0,
     }

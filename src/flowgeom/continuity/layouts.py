@@ -76,7 +76,8 @@ def strip_peft(name: str) -> str:
 
 def head_counts(hints: NamingHints) -> tuple[int | None, int | None, str]:
     """``(H, KV, where from)``: flags first, then the config (Falcon's layout flags decide its KV)."""
-    cfg = hints.config or {}
+    cfg = {k: v for k, v in (hints.config or {}).items()  # a config.json may hold anything: counts must be ints
+           if not k.startswith("num_") and k != "n_head" or (isinstance(v, int) and not isinstance(v, bool) and v > 0)}
     heads = hints.heads or cfg.get("num_attention_heads") or cfg.get("n_head")
     kv = hints.kv_heads
     if kv is None:

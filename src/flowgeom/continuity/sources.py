@@ -79,6 +79,28 @@ class TensorSource:
                                     "fix the checkpoint (or exclude this role with --roles)")
         return t
 
+    def _read_part(self, name: str, index: int) -> torch.Tensor:
+        return self._read(name)[index]
+
+    def load_part(self, name: str, index: int) -> torch.Tensor:
+        """``load(name)[index]`` (one expert of a 3-D stack), reading only that slice where the format allows."""
+        shape = self.shapes.get(name)
+        if shape is None or len(shape) < 2 or not 0 <= index < shape[0]:
+            raise FlowgeomError(f"tensor {shown(name)} in {self.label} has shape {list(shape or ())}: no slice {index} "
+                                "along its first axis")
+        try:
+            t = self._read_part(name, index)
+        except Exception as exc:  # reader errors: corrupt or truncated data
+            raise FlowgeomError(f"cannot read slice {index} of tensor {shown(name)} from {self.label}: "
+                                f"{one_line(exc)}; the file looks corrupt or truncated, re-export it") from exc
+        if tuple(t.shape) != tuple(shape[1:]):
+            raise FlowgeomError(f"slice {index} of tensor {shown(name)} in {self.label} holds shape {list(t.shape)}, "
+                                f"not {list(shape[1:])}; the file is corrupt, re-export it")
+        if t.is_floating_point() and not bool(torch.isfinite(t.float() if t.element_size() == 1 else t).all()):
+            raise FlowgeomError(f"tensor {shown(name)} in {self.label} contains NaN or Inf weights (slice {index}); "
+                                "fix the checkpoint (or exclude this role with --roles)")
+        return t
+
     def nbytes(self) -> int:
         return 0
 
@@ -133,6 +155,9 @@ class SafetensorsSource(TensorSource):
 
     def _read(self, name: str) -> torch.Tensor:
         return self._handles[self._file[name]].get_tensor(name)
+
+    def _read_part(self, name: str, index: int) -> torch.Tensor:
+        return self._handles[self._file[name]].get_slice(name)[index]  # reads only this slice's bytes
 
     def nbytes(self) -> int:
         return sum(p.stat().st_size for p in self._handles)
