@@ -1,0 +1,380 @@
+"""``hf:MODEL_TYPE:PART`` targets: one block of a real ``transformers`` family, ready for the law engine.
+
+``flowgeom laws count hf:qwen3:attention`` builds the tiny random model of
+:mod:`flowgeom.hf.tiny` (shrunk further for counting: hidden 8, 2 heads of
+head_dim 4, MLP width 6, 3 experts, one layer), takes layer 0's PART and wraps
+it in :class:`HFPart`, whose forward takes a plain ``(B, T, d)`` tensor:
+
+- attention: the family's attention class called as the decoder layer calls it,
+  with the rotary ``position_embeddings`` (cos, sin) computed once by the
+  family's own rotary class (on the model, not a child of attention) and the
+  causal mask as an additive ``(1, 1, T, T)`` tensor (BERT too: the tiny BERT is
+  a decoder);
+- mlp / moe: the layer's MLP or sparse-MoE block (MoE blocks return the
+  hidden states only);
+- block: the whole decoder layer (norms, residuals, attention, MLP or MoE).
+
+Precision. Eager attention computes ``softmax(..., dtype=float32)``, the
+RMSNorms upcast to float32 and MoE routers call ``.float()``: inside a
+float64 module the fields would carry float32 rounding and the float64
+tolerance would miscount. :class:`HFPart` runs its forward inside
+:class:`flowgeom.laws.precision.keep_dtype`, which makes those down-casts
+no-ops: a cast is the identity in exact arithmetic, so the function, its
+symmetries and its laws are unchanged; only the rounding is (``keep_casts``
+turns this off, to see the engine detect the reduced precision instead).
+
+Closed forms (:func:`closed_form`, per K/V group g with head_dim d_h, r rotary
+dims of which r/2 rotation pairs, u = d_h − r unrotated dims; derivations in
+``docs/laws-engine.md``):
+
+- RoPE attention (Llama, Mistral, Gemma, Gemma2, Phi-3, Mixtral):
+  Σ_g [r/2 + u(u+1)/2 + d_h(d_h+1)/2]; q/k/v biases (Qwen2, ``attention_bias``)
+  enter augmented, same count, plus u trivially conserved k-bias coordinates
+  per group when some dims are not rotated;
+- per-head QK-norm with RoPE (Qwen3): d_h/2 (γ_q, γ_k pairs) + Σ_g d_h(d_h+1)/2,
+  plus H + n_kv scale laws ‖Q_i‖², ‖K_g‖² when ``rms_norm_eps`` = 0;
+- no positions with biases (GPT-2): H·(d_h(d_h+1)/2 + d_h + d_h(d_h+1)/2), the
+  middle term being the k bias, whose gradient is identically zero;
+- gated MLP (SwiGLU / GeGLU): intermediate_size; GELU MLP (GPT-2, GPT-NeoX): 0;
+- softmax top-k MoE: d (router rows' sum) + E·m (+ the shared expert's width
+  for Qwen2-MoE; its sigmoid gate has none);
+- RMSNorm decoder block (Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE,
+  OLMoE not included): attention + MLP/MoE + 2d (each norm weight γ_i against
+  column i of every projection reading that norm's output).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from flowgeom.errors import FlowgeomError
+from flowgeom.laws.fields import module_sampler
+from flowgeom.laws.precision import keep_dtype
+from flowgeom.laws.target import Target
+
+PARTS = ("attention", "mlp", "moe", "block")
+SEQ_LEN = 4  # tokens per sampled input
+
+# initializer_range 0.5 (HF default 0.02): attention logits of order one, not a near-uniform softmax whose
+# brackets are tiny; count's random point keeps each tensor's scale.
+_SMALL_DECODER = dict(initializer_range=0.5, hidden_size=8, num_attention_heads=2, num_key_value_heads=2, head_dim=4, intermediate_size=6,
+                      num_hidden_layers=1, vocab_size=16, max_position_embeddings=32)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where layer 0 and its parts live in the tiny causal LM of one family."""
+
+    layers: str                   # attribute path of the layer list
+    attention: str                # attribute of the layer
+    mlp: str | tuple[str, ...] | None
+    moe: str | None
+    rotary: str | None            # attribute path of the rotary embedding on the model, None: absolute positions
+    sizes: dict = field(default_factory=dict)  # count-sized overrides of flowgeom.hf.tiny's config
+
+
+_DECODER = dict(layers="model.layers", attention="self_attn", mlp="mlp", moe=None, rotary="model.rotary_emb")
+_MOE_DECODER = dict(_DECODER, mlp=None, moe="mlp")
+LAYOUTS: dict[str, Layout] = {
+    "llama": Layout(**_DECODER, sizes=_SMALL_DECODER),
+    "mistral": Layout(**_DECODER, sizes=_SMALL_DECODER),
+    "qwen2": Layout(**_DECODER, sizes=_SMALL_DECODER),
+    "qwen3": Layout(**_DECODER, sizes=_SMALL_DECODER),
+    "gemma": Layout(**_DECODER, sizes=_SMALL_DECODER),
+    "gemma2": Layout(**_DECODER, sizes=dict(_SMALL_DECODER, query_pre_attn_scalar=4, sliding_window=32)),
+    "phi3": Layout(**_DECODER, sizes=_SMALL_DECODER),
+    "mixtral": Layout(**_MOE_DECODER, sizes=dict(_SMALL_DECODER, intermediate_size=3, num_local_experts=3)),
+    "qwen2_moe": Layout(**_MOE_DECODER, sizes=dict(_SMALL_DECODER, num_experts=3, moe_intermediate_size=3,
+                                                   shared_expert_intermediate_size=4)),
+    "olmoe": Layout(**_MOE_DECODER, sizes=dict(_SMALL_DECODER, intermediate_size=3, num_experts=3)),
+    "gpt2": Layout(layers="transformer.h", attention="attn", mlp="mlp", moe=None, rotary=None,
+                   sizes=dict(initializer_range=0.5, n_embd=8, n_head=2, n_inner=12, n_layer=1, vocab_size=16, n_positions=32)),
+    "bert": Layout(layers="bert.encoder.layer", attention="attention", mlp=("intermediate", "output"), moe=None,
+                   rotary=None, sizes=dict(initializer_range=0.5, hidden_size=8, num_attention_heads=2, intermediate_size=12,
+                                           num_hidden_layers=1, vocab_size=16, max_position_embeddings=32)),
+    "gpt_neox": Layout(layers="gpt_neox.layers", attention="attention", mlp="mlp", moe=None, rotary="gpt_neox.rotary_emb",
+                       sizes=dict(initializer_range=0.5, hidden_size=8, num_attention_heads=2, intermediate_size=12,
+                                  num_hidden_layers=1, vocab_size=16, max_position_embeddings=32)),
+}
+SUPPORTED = tuple(sorted(LAYOUTS))
+_REFUSED_IMPL = ("attn_implementation", "_attn_implementation", "experts_implementation", "_experts_implementation")
+
+
+def parts_of(model_type: str) -> tuple[str, ...]:
+    lay = LAYOUTS[model_type]
+    return tuple(p for p in PARTS if p in ("attention", "block") or getattr(lay, p) is not None)
+
+
+def parse_target(target: str) -> tuple[str, str]:
+    """``hf:MODEL_TYPE:PART`` -> (model_type, part); FlowgeomError listing the supported ones."""
+    bits = target.split(":")
+    if len(bits) != 3 or bits[0] != "hf":
+        raise FlowgeomError(f"malformed target {target!r}; expected hf:MODEL_TYPE:PART, e.g. hf:llama:attention")
+    _, model_type, part = bits
+    if model_type not in LAYOUTS:
+        raise FlowgeomError(f"unknown model_type {model_type!r} in {target!r}; supported: {', '.join(SUPPORTED)}")
+    if part not in PARTS:
+        raise FlowgeomError(f"unknown part {part!r} in {target!r}; parts: {', '.join(PARTS)}")
+    if part not in parts_of(model_type):
+        others = ", ".join(m for m in SUPPORTED if part in parts_of(m))
+        raise FlowgeomError(f"{model_type} has no {part} block (its parts: {', '.join(parts_of(model_type))}); "
+                            f"pick one of those, or a family with a {part} block: {others}")
+    return model_type, part
+
+
+def _typed(key: str, text: str, current: Any) -> Any:
+    """``text`` converted to the type of the config's ``current`` value; FlowgeomError naming the key."""
+    def bad(kind: str) -> FlowgeomError:
+        return FlowgeomError(f"--config {key}={text}: expected {kind} (the config's value is {current!r})")
+
+    low = text.strip().lower()
+    if isinstance(current, bool):
+        if low in ("true", "1", "yes"):
+            return True
+        if low in ("false", "0", "no"):
+            return False
+        raise bad("true or false")
+    if isinstance(current, int):
+        try:
+            return int(text)
+        except ValueError:
+            raise bad("an integer") from None
+    if isinstance(current, float):
+        try:
+            value = float(text)
+        except ValueError:
+            raise bad("a number") from None
+        if not math.isfinite(value):
+            raise bad("a finite number")
+        return value
+    if isinstance(current, str):
+        return text
+    if current is None and low in ("none", "null"):
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError:
+        if current is None:
+            return text
+        raise bad(f"JSON for a {type(current).__name__}") from None
+    if current is not None and not isinstance(value, type(current)):
+        raise bad(f"a {type(current).__name__} in JSON")
+    return value
+
+
+def config_overrides(model_type: str, items: list[str] | None) -> dict[str, Any]:
+    """``["KEY=VALUE", ...]`` -> typed overrides of the count-sized tiny config of ``model_type``."""
+    from flowgeom.hf.tiny import tiny_config
+
+    if not items:
+        return {}
+    base = tiny_config(model_type, **LAYOUTS[model_type].sizes)
+    known = base.to_dict()
+    out = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise FlowgeomError(f"--config {item!r}: expected KEY=VALUE, e.g. --config num_key_value_heads=1")
+        if key in _REFUSED_IMPL:
+            raise FlowgeomError(f"--config {key}={text}: hf: targets count with eager attention and experts only "
+                                "(sdpa/flash/grouped-mm kernels have no forward-mode AD in float64); drop it")
+        if key not in known:
+            keys = ", ".join(sorted(k for k in known if not k.startswith("_")))
+            raise FlowgeomError(f"--config {key}: {model_type} configs have no key {key!r}; keys: {keys}")
+        out[key] = _typed(key, text, known[key])
+    return out
+
+
+def _attr(obj: Any, path: str) -> Any:
+    for name in path.split("."):
+        obj = getattr(obj, name)
+    return obj
+
+
+def _causal_mask(t: int) -> torch.Tensor:
+    """(1, 1, T, T) additive mask: 0 on and below the diagonal, −1e30 above (finite in float32 too)."""
+    upper = torch.ones(t, t, dtype=torch.bool).triu(1)
+    return torch.zeros(1, 1, t, t, dtype=torch.float64).masked_fill(upper, -1e30)
+
+
+class HFPart(nn.Module):
+    """One part of a transformers layer as ``f(x)``, x (B, T, d) -> (B, T, d); see the module docstring.
+
+    Parameters keep the transformers names under the layer's attribute
+    (``self_attn.q_proj.weight``, ``mlp.experts.gate_up_proj`` …; ``layer.`` for
+    a whole block).
+    """
+
+    def __init__(self, modules: dict[str, nn.Module], *, part: str, hidden: int, seq_len: int,
+                 rope: tuple[torch.Tensor, torch.Tensor] | None, causal: bool, keep_casts: bool = False,
+                 expected_laws: int | None = None):
+        super().__init__()
+        self.part, self.hidden, self.seq_len, self.keep_casts = part, hidden, seq_len, keep_casts
+        self.names = tuple(modules)
+        for name, module in modules.items():
+            self.add_module(name, module)
+        self.register_buffer("mask", _causal_mask(seq_len) if causal else None, persistent=False)
+        self.register_buffer("rope_cos", rope[0] if rope else None, persistent=False)  # (1, T, r)
+        self.register_buffer("rope_sin", rope[1] if rope else None, persistent=False)
+        self.register_buffer("position_ids", torch.arange(seq_len).unsqueeze(0), persistent=False)  # (1, T)
+        self.expected_laws = expected_laws
+
+    def _kwargs(self) -> dict:
+        kw = {"attention_mask": self.mask}
+        if self.rope_cos is not None:
+            kw["position_embeddings"] = (self.rope_cos, self.rope_sin)
+        return kw
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (B, T, d)
+        with contextlib.nullcontext() if self.keep_casts else keep_dtype():
+            first = getattr(self, self.names[0])
+            if self.part == "attention":
+                out = first(hidden_states=x, **self._kwargs())
+            elif self.part == "block":
+                out = first(x, position_ids=self.position_ids, **self._kwargs())
+            elif len(self.names) == 2:  # BERT: intermediate (dense, GELU), then output (dense, LayerNorm(· + x))
+                out = getattr(self, self.names[1])(first(x), x)
+            else:
+                out = first(x)
+        return out[0] if isinstance(out, tuple) else out  # (B, T, d)
+
+    def sample_input(self, batch: int, generator: torch.Generator) -> torch.Tensor:
+        return torch.randn(batch, self.seq_len, self.hidden, generator=generator, dtype=torch.float64)  # (B, T, d)
+
+
+def closed_form(model_type: str, part: str, config: Any) -> int | None:
+    """The law count derived for this family and part (module docstring), None where none is derived."""
+    cfg = config
+    d = cfg.hidden_size
+    heads = cfg.num_attention_heads
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    hd = getattr(cfg, "head_dim", None) or d // heads
+    factor = (getattr(cfg, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)
+    r = int(hd * factor) if LAYOUTS[model_type].rotary else 0
+    r -= r % 2
+    u = hd - r
+    vo = kv * hd * (hd + 1) // 2
+    bias = model_type in ("qwen2", "qwen2_moe") or bool(getattr(cfg, "attention_bias", False))
+
+    def attention() -> int | None:
+        if model_type in ("llama", "mistral", "gemma", "gemma2", "phi3", "mixtral", "qwen2", "qwen2_moe"):
+            return kv * (r // 2 + u * (u + 1) // 2 + (u if bias else 0)) + vo
+        if model_type == "qwen3":
+            return hd // 2 + vo + (heads + kv if cfg.rms_norm_eps == 0 else 0)
+        if model_type == "olmoe":  # full-width QK-norm: γ pairs per K/V group; ‖W_Q‖², ‖W_K‖² only when eps = 0
+            return kv * (hd // 2) + vo + (2 if cfg.rms_norm_eps == 0 else 0)
+        if model_type == "gpt2":
+            return heads * (hd * (hd + 1) + hd)
+        if model_type == "bert":  # + LayerNorm(O·a + b_o + x) is blind to adding c·1: Σ b_o and O's column sums
+            return heads * (hd * (hd + 1) + hd) + heads * hd + 1
+        if model_type == "gpt_neox":  # biases, partial rotary, no GQA
+            return heads * (r // 2 + u * (u + 1) // 2 + u + hd * (hd + 1) // 2)
+        return None
+
+    def mlp() -> int | None:
+        if model_type in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3"):
+            return cfg.intermediate_size
+        if model_type == "bert":  # GELU: none; LayerNorm after the output dense: its column sums and Σ b_o
+            return cfg.intermediate_size + 1
+        return 0 if model_type in ("gpt2", "gpt_neox") else None
+
+    def moe() -> int | None:
+        if model_type in ("mixtral", "olmoe"):
+            experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
+            return d + experts * cfg.intermediate_size
+        if model_type == "qwen2_moe":
+            return d + cfg.num_experts * cfg.moe_intermediate_size + cfg.shared_expert_intermediate_size
+        return None
+
+    if part == "attention":
+        return attention()
+    if part == "mlp":
+        return mlp()
+    if part == "moe":
+        return moe()
+    if model_type in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe"):
+        a, rest = attention(), (moe() if LAYOUTS[model_type].moe else mlp())
+        return None if a is None or rest is None else a + rest + 2 * d
+    return None
+
+
+@dataclass
+class HFBuild:
+    """What :func:`build` made: the wrapped part, the config values used, the closed-form count."""
+
+    module: HFPart
+    model_type: str
+    part: str
+    config: dict
+    expected: int | None
+
+
+def build(model_type: str, part: str, *, overrides: dict[str, Any] | None = None, seed: int = 0,
+          keep_casts: bool = False) -> HFBuild:
+    """Tiny random ``model_type`` (float64, eager), its layer-0 ``part`` wrapped as :class:`HFPart`."""
+    from flowgeom.hf.tiny import tiny_model
+
+    lay = LAYOUTS[model_type]
+    kwargs = {**lay.sizes, **(overrides or {})}
+    try:
+        model = tiny_model(model_type, seed=seed, dtype=torch.float64, **kwargs)
+    except FlowgeomError:
+        raise
+    except Exception as exc:  # transformers rejects the combination (e.g. heads not dividing hidden)
+        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise FlowgeomError(f"building a tiny {model_type} with {kwargs} failed: {type(exc).__name__}: {msg}; "
+                            "change the --config values") from None
+    config = model.config
+    for sub in model.modules():  # the eager experts loop over nonzero() (no vmap); batched_mm gathers: same function
+        sub_config = getattr(sub, "config", None)
+        if getattr(sub_config, "_experts_implementation", None) == "eager":
+            sub_config._experts_implementation = "batched_mm"
+    layer = _attr(model, lay.layers)[0]
+    hidden = config.hidden_size
+    rope = None
+    if lay.rotary and part in ("attention", "block"):
+        rotary = _attr(model, lay.rotary)
+        probe = torch.zeros(1, SEQ_LEN, hidden, dtype=torch.float64)
+        with torch.no_grad():
+            cos, sin = rotary(probe, torch.arange(SEQ_LEN).unsqueeze(0))  # (1, T, r) each
+        rope = (cos.to(torch.float64), sin.to(torch.float64))
+    if part == "block":
+        modules = {"layer": layer}
+    elif part == "attention":
+        modules = {lay.attention: getattr(layer, lay.attention)}
+    else:
+        names = getattr(lay, part)
+        names = names if isinstance(names, tuple) else (names,)
+        modules = {n: getattr(layer, n) for n in names}
+    causal = model_type != "bert" or bool(getattr(config, "is_decoder", False))  # the tiny BERT is a decoder
+    expected = closed_form(model_type, part, config)
+    wrapped = HFPart(modules, part=part, hidden=hidden, seq_len=SEQ_LEN, rope=rope, causal=causal,
+                     keep_casts=keep_casts, expected_laws=expected).to(torch.float64).eval()
+    shown = {k: getattr(config, k) for k in kwargs if hasattr(config, k)}
+    shown.update(_attn_implementation=config._attn_implementation, dtype="float64", seq_len=SEQ_LEN,
+                 casts="kept (module's own float32 ops)" if keep_casts else "run in float64 (keep_dtype)")
+    return HFBuild(module=wrapped, model_type=model_type, part=part, config=shown, expected=expected)
+
+
+@dataclass
+class HFTarget(Target):
+    """A :class:`~flowgeom.laws.target.Target` for ``hf:`` names, with the config values used."""
+
+    config: dict = field(default_factory=dict)
+
+
+def resolve_hf(target: str, *, config_items: list[str] | None = None, seed: int = 0, keep_casts: bool = False) -> HFTarget:
+    """``hf:MODEL_TYPE:PART`` -> :class:`HFTarget`; ``config_items`` are ``KEY=VALUE`` strings (``--config``)."""
+    model_type, part = parse_target(target)
+    overrides = config_overrides(model_type, config_items)
+    built = build(model_type, part, overrides=overrides, seed=seed, keep_casts=keep_casts)
+    label = target + "".join(f" --config {k}={v}" for k, v in overrides.items())
+    return HFTarget(module=built.module, sampler=module_sampler(built.module), label=label, arch=None, config=built.config)
