@@ -59,6 +59,7 @@ per-expert modules (older or other families), LoRA on the experts.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -219,17 +220,27 @@ def expected_moe_count(layout: MoELayout) -> int:
 class MoEBlockModule(nn.Module):
     """An HF MoE block as a module of one plain tensor (B, T, d) -> (B, T, d), for ``count``/``check``.
 
-    ``sample_input`` draws N(0, scale²) tokens; ``tokens`` per sample so
-    that each draw routes to several experts.
+    Holds a deep copy of ``block`` whose experts run transformers'
+    ``batched_mm`` implementation (the same maths as eager: a gather of each
+    token's expert weights, no data-dependent loop, so ``torch.func.vmap``
+    works; ``grouped_mm`` refuses float64). ``sample_input`` draws
+    N(0, scale²) tokens, ``tokens`` per sample, so each draw routes to
+    several experts.
     """
 
-    def __init__(self, block: nn.Module, *, tokens: int = 8, scale: float = 1.0):
+    def __init__(self, block: nn.Module, *, tokens: int = 8, scale: float = 1.0,
+                 experts_implementation: str = "batched_mm"):
         super().__init__()
-        self.block, self.tokens, self.scale = block, tokens, scale
-        self.hidden = block.gate.weight.shape[1]
+        self.block = copy.deepcopy(block)
+        experts = self.block.experts
+        if getattr(experts, "config", None) is not None:
+            experts.config = copy.copy(experts.config)  # the model's config stays untouched
+            experts.config._experts_implementation = experts_implementation
+        self.tokens, self.scale = tokens, scale
+        self.hidden = self.block.gate.weight.shape[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.block(x)
+        return self.block(x)  # (B, T, d)
 
     def sample_input(self, batch: int, generator: torch.Generator) -> torch.Tensor:
         dtype = self.block.gate.weight.dtype
