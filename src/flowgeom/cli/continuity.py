@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 
 from flowgeom.cli._common import add_device, add_json, apply_threads, add_seed, area, command, console, print_json, resolve_device
+from flowgeom.cli._common import positive_float, positive_int
+from flowgeom.cli._common import threads as threads_type
 from flowgeom.errors import FlowgeomError
 
 TABLE_METRICS = (("v1", "v1"), ("u1", "u1"), ("subspace_in", "sub in"), ("subspace_out", "sub out"),
@@ -23,6 +25,8 @@ def _distances(text: str) -> tuple[int, ...]:
         values = tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"--distance takes integers like 1 or 1,2,4; got {text!r}") from None
+    if not values or min(values) < 1 or len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"--distance takes distinct integers >= 1 like 1 or 1,2,4; got {text!r}")
     return values
 
 
@@ -158,17 +162,17 @@ def add_analyze(verbs) -> None:
     p.add_argument("--role", action="append", metavar="NAME=REGEX",
                    help="custom role: regex over tensor names with a (\\d+) layer group; repeat per role")
     p.add_argument("--roles", metavar="LIST", help="only these roles, comma-separated (e.g. q,k,down,router,expert0.up)")
-    p.add_argument("--heads", type=int, metavar="H", help="query heads, to split fused q|k|v tensors (Phi-3 qkv_proj, "
+    p.add_argument("--heads", type=positive_int, metavar="H", help="query heads, to split fused q|k|v tensors (Phi-3 qkv_proj, "
                                                           "GPT-NeoX/Falcon query_key_value); default: config.json")
-    p.add_argument("--kv-heads", type=int, metavar="KV", help="key/value heads for that split (default: config.json)")
+    p.add_argument("--kv-heads", type=positive_int, metavar="KV", help="key/value heads for that split (default: config.json)")
     p.add_argument("--merge-lora", action="store_true",
                    help="analyse W + s·B·A for PEFT LoRA-adapted projections (s = lora_alpha/r from "
                         "adapter_config.json, alpha/sqrt(r) with rslora) instead of the frozen base W")
     p.add_argument("--lora-adapter", metavar="NAME", help="which adapter to merge when several are present")
-    p.add_argument("--k", type=int, default=8, help="top-k singular pairs for subspace/index metrics (default 8)")
+    p.add_argument("--k", type=positive_int, default=8, help="top-k singular pairs for subspace/index metrics (default 8)")
     p.add_argument("--distance", type=_distances, default=(1,), metavar="D[,D...]",
                    help="layer distances (default 1 = adjacent); the first drives table and verdict")
-    p.add_argument("--max-layers", type=int, metavar="N", help="only the first N layers of each role")
+    p.add_argument("--max-layers", type=positive_int, metavar="N", help="only the first N layers of each role")
     p.add_argument("--dtype", default="float32", choices=("float64", "float32"),
                    help="compute dtype (default float32: on SmolLM2 its cosines match a float64 full SVD to 1e-6)")
     p.add_argument("--solver", default="auto", choices=("auto", "krylov", "dense"),
@@ -179,11 +183,11 @@ def add_analyze(verbs) -> None:
                         "on SmolLM2; the other metrics then keep no raw matrix between layers)")
     p.add_argument("--baseline", default="analytic", choices=("analytic", "montecarlo"),
                    help="random-matrix baseline: closed form (default) or Gaussian draws of the same shapes")
-    p.add_argument("--draws", type=int, default=8, help="Monte-Carlo draws (default 8)")
-    p.add_argument("--batch", type=int, default=1, help="layers stacked per batched call (default 1 = least memory)")
-    p.add_argument("--threads", type=int, help="CPU threads of scipy's BLAS/LAPACK, which does the heavy products "
+    p.add_argument("--draws", type=positive_int(maximum=100_000), default=8, help="Monte-Carlo draws (default 8)")
+    p.add_argument("--batch", type=positive_int, default=1, help="layers stacked per batched call (default 1 = least memory)")
+    p.add_argument("--threads", type=threads_type, help="CPU threads of scipy's BLAS/LAPACK, which does the heavy products "
                                                 "(torch glue stays at 1 thread on CPU; default: all cores)")
-    p.add_argument("--threshold", type=float, default=3.0, help="ratio to baseline that counts as continuous (default 3)")
+    p.add_argument("--threshold", type=positive_float, default=3.0, help="ratio to baseline that counts as continuous (default 3)")
 
 
 def register(sub) -> None:

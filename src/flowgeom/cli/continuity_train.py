@@ -7,9 +7,15 @@ sub-parsers (the area itself lives in :mod:`flowgeom.cli.continuity`).
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
-from flowgeom.cli._common import add_device, apply_threads, add_json, add_seed, command, console, print_json, resolve_device
+from flowgeom.cli._common import (
+    add_device, add_json, add_seed, add_threads, apply_threads, command, console, figure_path, positive_float,
+    positive_int, print_json, resolve_device, step_size,
+)
+from flowgeom.cli._common import seed as seed_type
+from flowgeom.cli.zoo_options import _parse_bool as zoo_parse_bool
 from flowgeom.errors import FlowgeomError
 
 
@@ -17,31 +23,92 @@ def _overrides(args: argparse.Namespace, names: tuple[str, ...]) -> dict:
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 
-def _parse_sets(items: list[str] | None) -> dict:
-    """``--set KEY=VALUE`` pairs; values parsed as JSON when they can be (numbers, true/false, null)."""
-    import json
+def _parse_sets(items: list[str] | None, config_cls: type) -> dict:
+    """``--set KEY=VALUE`` pairs typed from ``config_cls``'s field annotations and checked like the flags.
 
+    ``int`` fields take whole numbers >= 1 (``seed``: 0 <= seed < 2**63),
+    ``float`` fields finite numbers > 0, ``bool`` fields true/false, and
+    ``X | None`` fields also ``null``/``none``. Unknown keys are refused with
+    the list of valid ones.
+    """
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(config_cls)
+    known = [f.name for f in dataclasses.fields(config_cls)]
     out = {}
     for item in items or []:
         key, sep, value = item.partition("=")
+        key = key.strip().replace("-", "_")
         if not sep or not key:
             raise FlowgeomError(f"--set expects KEY=VALUE, got {item!r} (e.g. --set width=64)")
-        try:
-            out[key.strip().replace("-", "_")] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key.strip().replace("-", "_")] = value
+        if key not in hints:
+            what = config_cls.__name__.removesuffix("RunConfig") + " run option"  # "MLP run option"
+            raise FlowgeomError(f"--set {key}: unknown {what} {key!r}; valid: {', '.join(known)}")
+        if key in out:
+            raise FlowgeomError(f"--set {key} given twice; give each field once")
+        out[key] = _typed_value(key, value.strip(), hints[key])
     return out
+
+
+def _typed_value(key: str, text: str, hint):
+    """``text`` converted to the field type ``hint`` (FlowgeomError naming the key, the value and the type)."""
+    import types
+    import typing
+
+    args = typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union else ()
+    optional = type(None) in args
+    base = next((a for a in args if a is not type(None)), hint) if args else hint
+    if optional and text.lower() in ("null", "none"):
+        return None
+    kind = {bool: "true or false", int: "a whole number", float: "a number", str: "text"}.get(base, str(base))
+    kind += " or null" if optional else ""
+    try:
+        if base is bool:
+            return zoo_parse_bool(text)
+        if base is int:
+            return (seed_type if key == "seed" else positive_int)(text)
+        if base is float:
+            return positive_float(text)
+        if base is str:
+            if not text:
+                raise argparse.ArgumentTypeError("empty")
+            return text
+    except argparse.ArgumentTypeError as exc:
+        raise FlowgeomError(f"--set {key}={text}: {exc}; {key} takes {kind}") from None
+    raise FlowgeomError(f"--set {key}: fields of type {base} cannot be set from the command line")
+
+
+def _typed_sets(args: argparse.Namespace, config_cls: type) -> dict:
+    sets = _parse_sets(args.sets, config_cls)
+    if "device" in sets:
+        resolve_device(sets["device"])
+    return sets
+
+
+def _shown(row: dict) -> dict:
+    """A table row with metrics stored as null (NaN in the run) shown as nan instead of crashing the format."""
+    return {k: math.nan if v is None else v for k, v in row.items()}
+
+
+def _raise_unfinished(summary: dict | None, out: str) -> None:
+    """One error line (exit 2) for a run that stopped early (NaN loss, blow-up): no table, no partial result."""
+    status = (summary or {}).get("status", "unfinished")
+    if status != "finished":
+        message = (summary or {}).get("message") or f"the run ended with status {status!r}"
+        raise FlowgeomError(f"training stopped at step {(summary or {}).get('step', '?')}: {message}; "
+                            f"metrics up to there are in {out}")
 
 
 def _common_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="quick", choices=("quick", "full"), help="scale (default quick)")
     p.add_argument("--out", required=True, help="run folder (created; refused if it holds a run, unless --resume)")
     p.add_argument("--resume", action="store_true", help="continue a killed run from its last checkpoint")
-    p.add_argument("--steps", type=int, help="number of updates (default: the preset's)")
-    p.add_argument("--lr", type=float, help="learning rate (default: the preset's)")
+    p.add_argument("--steps", type=positive_int(maximum=10**9), help="number of updates >= 1 (default: the preset's)")
+    p.add_argument("--lr", type=step_size, help="learning rate in (0, 1e6] (default: the preset's)")
     p.add_argument("--optimizer", choices=("sgd", "adam", "adam_b2_0"), help="optimiser (default adam)")
-    p.add_argument("--log-every", dest="log_every", type=int, help="measure continuity every N steps")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    p.add_argument("--log-every", dest="log_every", type=positive_int, help="measure continuity every N >= 1 steps")
+    add_threads(p, default=None)
     p.add_argument("--set", dest="sets", action="append", metavar="KEY=VALUE",
                    help="any other config field, e.g. --set width=64 --set train_limit=5000 (repeatable)")
     add_seed(p)
@@ -52,32 +119,36 @@ def _common_run_options(p: argparse.ArgumentParser) -> None:
 def train(args: argparse.Namespace) -> int:
     apply_threads(args.threads)
     resolve_device(args.device)
-    opts = {**_overrides(args, ("steps", "lr", "optimizer", "log_every")), "seed": args.seed, "device": args.device,
-            **_parse_sets(args.sets)}
+    opts = {**_overrides(args, ("steps", "lr", "optimizer", "log_every")), "seed": args.seed, "device": args.device}
     if args.model == "mlp":
-        from flowgeom.experiments.continuity_mlp import format_ablation, summarise_run, train_mlp, variant_config
+        from flowgeom.experiments.continuity_mlp import (
+            MLPRunConfig, format_ablation, summarise_run, train_mlp, variant_config,
+        )
         from flowgeom.runs import RunFolder
 
+        opts |= _typed_sets(args, MLPRunConfig)
         cfg = variant_config(args.variant, args.preset, **opts, **_overrides(args, ("mnist_path",)))
         summary = train_mlp(cfg, args.out, resume=args.resume)
+        _raise_unfinished(summary, args.out)
         row = summarise_run(RunFolder(args.out))
         if args.json:
             print_json({"summary": summary, "row": row})
         else:
-            console().print(format_ablation([row]), markup=False)
-        return 0 if summary["status"] == "finished" else 1
-    from flowgeom.experiments.continuity_lm import projection_pattern, train_lm
-    from flowgeom.experiments.continuity_lm import lm_config
+            console().print(format_ablation([_shown(row)]), markup=False)
+        return 0
+    from flowgeom.experiments.continuity_lm import LMRunConfig, lm_config, projection_pattern, train_lm
     from flowgeom.runs import RunFolder
 
+    opts |= _typed_sets(args, LMRunConfig)
     cfg = lm_config(args.preset, **opts, **_overrides(args, ("data", "mlp")))
     summary = train_lm(cfg, args.out, resume=args.resume)
+    _raise_unfinished(summary, args.out)
     pattern = projection_pattern(RunFolder(args.out).metrics())
     if args.json:
         print_json({"summary": summary, "pattern": pattern})
     else:
         console().print(format_pattern(pattern), markup=False)
-    return 0 if summary["status"] == "finished" else 1
+    return 0
 
 
 def format_pattern(pattern: dict) -> str:
@@ -105,8 +176,10 @@ def ablate(args: argparse.Namespace) -> int:
         variants = tuple(VARIANTS)
     else:
         variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
+    from flowgeom.experiments.continuity_mlp import MLPRunConfig
+
     opts = {**_overrides(args, ("steps", "lr", "optimizer", "log_every", "mnist_path")), "seed": args.seed,
-            "device": args.device, **_parse_sets(args.sets)}
+            "device": args.device, **_typed_sets(args, MLPRunConfig)}
     rows = run_ablation(args.out, preset=args.preset, variants=variants, resume=args.resume, **opts)
     figure = ablation_figure(args.out, variants, args.figure or Path(args.out) / "ablation.png")
     from flowgeom.runs import atomic_write_json
@@ -115,8 +188,13 @@ def ablate(args: argparse.Namespace) -> int:
     if args.json:
         print_json({"rows": rows, "figure": str(figure)})
     else:
-        console().print(format_ablation(rows), markup=False)
+        console().print(format_ablation([_shown(row) for row in rows]), markup=False)
         console().print(f"figure: {figure}", markup=False)
+    stopped = [row for row in rows if row.get("status") != "finished"]
+    if stopped:
+        named = ", ".join(f"{r['variant']}: {r.get('status')}" for r in stopped)
+        raise FlowgeomError(f"{len(stopped)} of {len(rows)} variants stopped early ({named}); their rows are "
+                            f"marked in the table, their metrics are under {args.out}")
     return 0
 
 
@@ -155,13 +233,13 @@ def register_verbs(verbs) -> None:
                         "Res+ReLU+LN, Res+None+LN, 'Res+ReLU init0.5', 'Res+ReLU init2', 'Res+ReLU SGD', "
                         "'Res+ReLU Adam-b2=0'")
     p.add_argument("--mnist", dest="mnist_path", help="folder of MNIST IDX files (default: the shipped MNIST)")
-    p.add_argument("--figure", help="figure path (default OUT/ablation.png)")
+    p.add_argument("--figure", type=figure_path, help="figure path (default OUT/ablation.png)")
     _common_run_options(p)
 
     p = command(verbs, "plot", help="plot tracked continuity against steps from a run folder",
                 example="flowgeom continuity plot runs/lm --figure lm.png", func=plot)
     p.add_argument("run", help="run folder written by `continuity train`")
-    p.add_argument("--figure", help="output image (default RUN/figures/continuity.png)")
+    p.add_argument("--figure", type=figure_path, help="output image (default RUN/figures/continuity.png)")
 
 
 def build_parser() -> argparse.ArgumentParser:

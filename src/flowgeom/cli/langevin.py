@@ -81,18 +81,18 @@ def run_darcy(args: argparse.Namespace) -> int:
     with Progress(disable=args.json or not sys.stderr.isatty(), console=None, transient=True) as bar:
         summary = run(cfg, args.out, resume=args.resume, device=device, progress=bar)
     diverged = [reg for reg, arm in summary["arms"].items() if arm.get("status") != "ok"]
-    for reg in diverged:
-        print(f"flowgeom: warning: arm {reg!r} diverged: {summary['arms'][reg].get('message')}", file=sys.stderr)
     if args.json:
         print_json(summary)
-        return 1 if diverged else 0
+        _raise_diverged(summary, diverged, args.out)
+        return 0
     out = console()
     pre = summary["pretrain"]
     out.print(f"pretrained: test RMSE {pre['test_rmse']:.4f}, rel L2 {pre['test_rel_l2']:.4f}, gap {pre['gap']:+.4f}")
     out.print(f"{'reg':10s} {'test RMSE':>10s} {'rel L2':>8s} {'gap':>8s} {'gap sd':>8s} {'|W_Q| start→end':>18s} {'|W_K| start→end':>18s}")
     for reg, arm in summary["arms"].items():
-        if "test_rmse" not in arm:
-            out.print(f"{reg:10s} {arm.get('status')}")
+        if "test_rmse" not in arm or arm.get("status") != "ok":
+            step = f" at step {arm['step']}" if "step" in arm else ""
+            out.print(f"{reg:10s} {arm.get('status')}{step} (no final numbers)", markup=False)
             continue
         out.print(f"{reg:10s} {arm['test_rmse']:10.4f} {arm['test_rel_l2']:8.4f} {arm['gap']:+8.4f} {arm['gap_std_2nd_half']:8.4f} "
                   f"{arm['wq_norm_start']:8.3f}→{arm['wq_norm']:<8.3f} {arm['wk_norm_start']:8.3f}→{arm['wk_norm']:<8.3f}")
@@ -102,7 +102,19 @@ def run_darcy(args: argparse.Namespace) -> int:
         for reg, hits in rate["steps"].items():
             out.print(f"  {reg:10s} " + " ".join("—" if h is None else str(h) for h in hits))
     out.print(f"run folder: {args.out} (figures/ holds darcy_norms.png, darcy_errors.png, darcy_rate.png)")
-    return 1 if diverged else 0
+    _raise_diverged(summary, diverged, args.out)
+    return 0
+
+
+def _raise_diverged(summary: dict, diverged: list[str], out: str) -> None:
+    """One error line (exit 2) when some Langevin arms blew up: the run is not a complete result."""
+    from flowgeom.errors import FlowgeomError
+
+    if diverged:
+        first = summary["arms"][diverged[0]]
+        raise FlowgeomError(f"{len(diverged)} of {len(summary['arms'])} Langevin arms diverged "
+                            f"({', '.join(diverged)}); first, {diverged[0]!r}: {first.get('message')}; "
+                            f"the other arms are in {out}")
 
 
 def run_rate_cmd(args: argparse.Namespace) -> int:

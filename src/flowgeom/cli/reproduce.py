@@ -19,11 +19,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from flowgeom.cli._common import add_json, command, print_json
+from flowgeom.cli._common import AppendDistinct, add_json, command, positive_int, print_json
 from flowgeom.errors import FlowgeomError
 
 AREA_CHOICES = ("laws", "conservation", "continuity", "langevin", "all")
 DEFAULT_ROOT = Path("runs") / "reproduce"
+MAX_JOBS = 1024  # a sanity bound; a local pool larger than the CPUs only adds contention
 
 
 def _default_out(scale: str, resume: bool) -> Path:
@@ -53,7 +54,9 @@ def _claim_verdict(claim, specs, outcomes, out: Path):
     if claim.unavailable:
         return Verdict("not run", "not run", how=claim.unavailable)
     records = []
-    for spec in specs:
+    for spec, outcome in zip(specs, outcomes):
+        if outcome.status == "failed":  # e.g. refused by the sweep manifest: its summary.json is not trusted
+            continue
         summary = RunFolder(spec.path).summary()
         if summary is not None:
             records.append(RunRecord(spec.run_id, spec.config, summary, spec.path))
@@ -228,8 +231,9 @@ def register(sub) -> None:
                    "with --resume and no --out, the latest one)")
     p.add_argument("--backend", default="local", choices=("local", "ray"),
                    help="local (this machine) or ray (one Ray task per run; RAY_ADDRESS selects a cluster)")
-    p.add_argument("--jobs", type=int, default=1, help="runs in parallel: local process pool size / Ray CPUs (default 1)")
+    p.add_argument("--jobs", type=positive_int(maximum=MAX_JOBS), default=1,
+                   help=f"runs in parallel: local process pool size / Ray CPUs, 1..{MAX_JOBS} (default 1)")
     p.add_argument("--resume", action="store_true", help="skip finished runs, continue interrupted ones from "
                    "their checkpoints")
-    p.add_argument("--only", action="append", metavar="CLAIM", help="run only this claim id (repeatable)")
+    p.add_argument("--only", action=AppendDistinct, metavar="CLAIM", help="run only this claim id (repeatable, distinct)")
     add_json(p)
