@@ -228,7 +228,7 @@ def read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
         size = os.fstat(fh.fileno()).st_size
         head = fh.read(8)
         n = int.from_bytes(head, "little")
-        if len(head) < 8 or n < 2 or n > MAX_HEADER or 8 + n > size:
+        if len(head) < 8 or n < 1 or n > MAX_HEADER or 8 + n > size:
             why = (f"{size} bytes, shorter than the 8-byte header length" if len(head) < 8 else
                    f"header length {n} does not fit in "
                    + (f"the {MAX_HEADER}-byte limit" if n > MAX_HEADER else f"a {size}-byte file"))
