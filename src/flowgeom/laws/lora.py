@@ -147,8 +147,13 @@ def lora_entry(module: nn.Module, prefix: str) -> CatalogueEntry:
 def lora_laws(model: nn.Module) -> CatalogueEntry:
     """LoRA laws, controls and notes of every PEFT LoRA layer in ``model`` (module paths as prefixes)."""
     laws, controls, notes = [], [], []
+    uncovered: list[str] = []  # LoRA layers nested in an uncovered one (MHA's out_proj) belong to it
     for name, module in model.named_modules():
+        if any(name.startswith(u + ".") for u in uncovered):
+            continue
         if is_lora_layer(module):
+            if type(module).__name__ in _UNCOVERED_LAYERS:
+                uncovered.append(name)
             entry = lora_entry(module, name)
             laws += entry.laws
             controls += entry.controls
