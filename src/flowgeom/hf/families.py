@@ -82,7 +82,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            ("GPT2MLP",), {"up": "c_fc", "down": "c_proj"}, positions="absolute", activation="gelu"),
     Family("bert", "bert", ("BertAttention",), {"q": "self.query", "k": "self.key", "v": "self.value",
                                                  "o": "output.dense"}, "gelu",
-           ("BertLayer",), {"up": "intermediate.dense", "down": "output.dense"}, positions="absolute",
+           ("BertIntermediate", "BertOutput"), {"up": "intermediate.dense", "down": "output.dense"}, positions="absolute",
            activation="gelu"),
     Family("gpt_neox", "interleaved_qkv", ("GPTNeoXAttention",), {"qkv": "query_key_value", "o": "dense"}, "gelu",
            ("GPTNeoXMLP",), {"up": "dense_h_to_4h", "down": "dense_4h_to_h"}, activation="gelu"),

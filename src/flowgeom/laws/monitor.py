@@ -38,7 +38,10 @@ read, every law evaluated in one pass under ``no_grad``, then one segmented
 reduction for all the ε's. Keys of a record: ``eps/<family>`` (mean over all
 blocks), ``eps/<family>@<block>``, ``control/<family>[@<block>]`` (relative
 change of the non-conserved controls), ``refuted/<family>[@<block>]``
-(claims the catalogue measured false, e.g. the sigmoid-gate router sum).
+(claims the catalogue measured false, e.g. the sigmoid-gate router sum),
+and ``uncovered: [{block, reason}]`` when some blocks of the model have no
+verified law (they are named, warned about once, and not measured; see
+:func:`flowgeom.laws.locate.locate_blocks`; also ``monitor.uncovered``).
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ from torch import Tensor, nn
 
 from flowgeom.errors import FlowgeomError
 from flowgeom.laws.catalogue import CatalogueEntry, Law
-from flowgeom.laws.locate import locate
+from flowgeom.laws.locate import Uncovered, locate_blocks
 
 PLAIN_GD_WARNING = (
     "flowgeom: conservation laws hold for plain gradient descent / SGD only; momentum, Adam and "
@@ -101,7 +104,8 @@ def _tracked(entry: CatalogueEntry, include_refuted: bool) -> list[Tracked]:
     out = [Tracked(law, "eps", law.family, _block_of(law)) for law in entry.laws]
     for law in entry.controls:
         leaf = law.params[0].rsplit(".", 2)[-2] if "." in law.params[0] else law.params[0]
-        out.append(Tracked(law, "control", f"norm.{leaf}", _block_of(law)))
+        family = law.family if law.family.startswith("norm.") else f"norm.{leaf}"
+        out.append(Tracked(law, "control", family, _block_of(law)))
     if include_refuted:
         out += [Tracked(law, "refuted", law.family, _block_of(law)) for law in entry.refuted]
     return out
@@ -145,13 +149,18 @@ class ConservationMonitor:
             raise FlowgeomError(f"unknown rescale {rescale!r}; choose flow (e^(dλt)) or sgd ((1−τλ)^(−dk))")
         if rescale == "sgd" and weight_decay and not (lr and 0 < lr * weight_decay < 1):
             raise FlowgeomError(f"rescale='sgd' needs lr with 0 < lr·weight_decay < 1, got lr={lr}")
+        self.uncovered: tuple[Uncovered, ...] = ()
         if laws is None:
-            laws = locate(model, heads=heads, positions=positions)
+            found = locate_blocks(model, heads=heads, positions=positions, warn=warn)
+            laws, self.uncovered = found.entry, found.uncovered
         entry = laws if isinstance(laws, CatalogueEntry) else CatalogueEntry(tuple(laws), (), ())
+        self.notes = entry.notes
         self.items = _tracked(entry, include_refuted)
         if not any(t.kind == "eps" for t in self.items):
-            raise FlowgeomError(f"no conservation law found in {type(model).__name__}: it holds no zoo block and no "
-                                "HF-named attention (q/k/v/o_proj) or gated MLP (gate/up/down_proj)")
+            missed = "; ".join(f"{u.block}: {u.reason}" for u in self.uncovered[:3])
+            raise FlowgeomError(f"no conservation law found in {type(model).__name__}: it holds no zoo block, no block of "
+                                "a supported HF family and no HF-named attention (q/k/v/o_proj) or gated MLP "
+                                "(gate/up/down_proj)" + (f"; uncovered: {missed}" if missed else ""))
         self.model, self.every, self.run, self.per_block = model, every, run, per_block
         self.weight_decay, self.lr, self.rescale = float(weight_decay), lr, rescale
         if warn:
@@ -236,9 +245,15 @@ class ConservationMonitor:
         if self.rescale == "sgd" and self.weight_decay:
             decay_log = -step * math.log1p(-self.lr * self.weight_decay)
         record = {"step": step, **(extra or {}), **self.measure(time=time, decay_log=decay_log)}
+        if self.uncovered:
+            record["uncovered"] = self.uncovered_list()
         if self.run is not None:
             self.run.log(record)
         return record
+
+    def uncovered_list(self) -> list[dict[str, str]]:
+        """The blocks no law covers, as ``[{block, reason}]`` (they are not measured)."""
+        return [u.as_dict() for u in self.uncovered]
 
     def families(self, kind: str = "eps") -> list[str]:
         """The per-family keys of one kind ("eps", "control", "refuted")."""

@@ -1,0 +1,297 @@
+"""Conservation laws of Hugging Face attention and gated-MLP blocks.
+
+Notation (weights ``(out, in)``; a GPT-2 ``Conv1D`` stores ``(in, out)`` and
+is read transposed). H query heads in G = ``num_key_value_heads`` groups of
+H/G; head i uses K/V head g(i) = i // (H/G). Q_i, K_g, V_g are the
+(d_k × d_model) row blocks of the projections, O_i the (d_model × d_v)
+column block of the output projection. A bias is a column on the constant
+input: Q̃_i = [Q_i | bq_i], Ṽ_g = [V_g | bv_g].
+
+**Q/K, no RoPE (GQA).** Scores are q_iᵀk_g = x̃ᵀQ̃_iᵀK̃_g ỹ. For any
+invertible M (d_k × d_k), K̃_g → M K̃_g with Q̃_i → M^{-T} Q̃_i for *all* i ∈ g
+leaves the block unchanged. Its generator A gives ⟨∇L, δθ⟩ = 0, i.e.
+G_K K̃ᵀ = Σ_{i∈g} Q̃_i G_{Q_i}ᵀ, hence d/dt (Σ_{i∈g} Q̃_iQ̃_iᵀ − K̃_gK̃_gᵀ) = 0:
+d_k(d_k+1)/2 laws per group. The **k bias** adds q_iᵀbk_g to every key's
+score, a constant under the softmax: its gradient is identically zero, so
+bk_g is conserved component by component (d_k trivial laws per group, family
+``attn.k_bias``) and K_g enters the matrix law without it.
+
+**Q/K with RoPE.** q, k are rotated by R(pos) (rotate_half layout: pair j is
+dims (j, j + r/2) of the r rotated dims). Only M commuting with every R(pos)
+survives: on each pair, aI + bJ (J the 2×2 rotation generator). The
+symmetric part aI gives ‖K̃_g^(j)‖² − Σ_{i∈g}‖Q̃_i^(j)‖² (r/2 laws per group);
+the skew part gives nothing. **Partial rotary** (GPT-NeoX, Phi-3 with
+``partial_rotary_factor`` < 1): the d_k − r unrotated dims keep the full
+matrix law on that sub-block (M block-diagonal), and there the k bias is again
+a constant shift (trivially conserved components).
+
+**V/O.** The block's output is Σ_i O_i Σ_t a_{it} Ṽ_{g(i)} ỹ_t (+ bo), since
+Σ_t a_{it} = 1 carries the v bias. Ṽ_g → M Ṽ_g, O_i → O_i M^{-1} (i ∈ g):
+Ṽ_gṼ_gᵀ − Σ_{i∈g} O_iᵀO_i, d_v(d_v+1)/2 laws per group. bo: no law.
+
+**Per-head QK-norm** (Qwen3: q = γ_q ⊙ RMSNorm(Q_i x) over the head's d_k,
+then RoPE). RMSNorm is scale invariant, so ‖Q_i‖²_F (per query head) and
+‖K_g‖²_F (per group) are conserved — they can *not* serve as controls; the
+Q–K matrix / block laws die (M must preserve the per-head norm). The norm
+weights, shared by all heads, obey per rotation pair j
+‖γ_q^(j)‖² − ‖γ_k^(j)‖² (d_k/2 laws; per unrotated dim d, γ_q[d]² − γ_k[d]²).
+**Full-width QK-norm** (OLMoE: RMSNorm over all H·d_k query dims, and over
+the G·d_k key dims): ‖W_Q‖²_F and ‖W_K‖²_F whole, and per group g and pair j
+Σ_{i∈g}‖γ_q^(i,j)‖² − ‖γ_k^(g,j)‖². The scale laws are exact only for
+RMSNorm eps = 0 (broken at relative order eps/mean(q²) otherwise): they are
+claimed only when the norms' eps is 0; the γ laws hold for any eps.
+
+**Precision.** Laws whose orthogonality rests on a softmax shift or a norm's
+scale invariance (k bias, the unrotated Q–K sub-block, the QK-norm scale
+laws) hold in float64 only up to float32 rounding in transformers' eager code
+(softmax and RMSNorm upcast to float32: ~1e-9 relative); run the module under
+:func:`flowgeom.laws.precision.keep_dtype` to see them at round-off.
+
+**Gated MLP** (SwiGLU, GeGLU, Phi-3 fused ``gate_up_proj``: out =
+down(act(gate x) ⊙ up x)): scaling up[i,:] by s and down[:,i] by 1/s is a
+symmetry for any activation, so ‖up[i,:]‖² − ‖down[:,i]‖² per hidden unit
+(m laws). A two-layer GELU MLP has none (seed 000).
+
+Controls (not conserved, must move at first order): ‖W_Q‖²_F of the query
+rows (Q side; ‖γ_q‖² with QK-norm) and ‖W_V‖²_F of the value rows (V/O side),
+‖gate‖²_F for the MLP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from flowgeom.errors import FlowgeomError
+from flowgeom.laws.catalogue import CatalogueEntry, Law
+
+Params = Mapping[str, Tensor]
+
+
+def _upper(m: Tensor) -> Tensor:
+    """Upper triangles (diagonal included) of (..., n, n) matrices, flattened: (... · n(n+1)/2,)."""
+    i, j = torch.triu_indices(m.shape[-2], m.shape[-1])
+    return m[..., i, j].reshape(-1)
+
+
+@dataclass(frozen=True)
+class Proj:
+    """The per-head rows of one projection inside a (possibly fused) weight.
+
+    ``rows``: (heads, d_k) indices along the weight's output axis ``axis``
+    (0 for ``nn.Linear``, 1 for GPT-2 ``Conv1D``); ``bias`` indexed the same way.
+    """
+
+    weight: str
+    rows: Tensor
+    axis: int = 0
+    bias: str | None = None
+
+    def heads(self, p: Params, *, with_bias: bool = True, dims: Tensor | None = None) -> Tensor:
+        """(heads, d, d_in[+1]) matrices of the heads, restricted to ``dims`` of each head."""
+        rows = self.rows if dims is None else self.rows[:, dims]  # (heads, d)
+        w = p[self.weight] if self.axis == 0 else p[self.weight].T  # (out, in)
+        m = w[rows]  # (heads, d, d_in)
+        if with_bias and self.bias is not None:
+            m = torch.cat([m, p[self.bias][rows][..., None]], dim=-1)  # (heads, d, d_in + 1)
+        return m
+
+    @property
+    def params(self) -> tuple[str, ...]:
+        return (self.weight,) + ((self.bias,) if self.bias else ())
+
+
+@dataclass(frozen=True)
+class OutProj:
+    """The per-head input columns of the output projection: ``cols`` (heads, d_v)."""
+
+    weight: str
+    cols: Tensor
+    axis: int = 1  # axis of the weight holding the input features (1 Linear, 0 Conv1D)
+
+    def heads(self, p: Params) -> Tensor:
+        """(heads, d_model, d_v) blocks O_i."""
+        w = p[self.weight] if self.axis == 1 else p[self.weight].T  # (out, in)
+        return w[:, self.cols].permute(1, 0, 2)  # (heads, d_model, d_v)
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Everything the laws need about one attention block (built by ``locate``).
+
+    ``rotary``: rotated dims per head (0: none); ``qk_norm``: none | per_head |
+    full with the norm weights ``q_norm``/``k_norm`` ((d_k,) per head, or
+    (H·d_k,), (G·d_k,) full width).
+    """
+
+    block: str
+    q: Proj
+    k: Proj
+    v: Proj
+    o: OutProj
+    heads: int
+    kv_heads: int
+    head_dim: int
+    rotary: int = 0
+    qk_norm: str = "none"
+    q_norm: str | None = None
+    k_norm: str | None = None
+    norm_eps: float = 0.0  # the QK RMSNorms' eps: the scale laws ‖Q‖², ‖K‖² are claimed only at eps = 0
+
+    def __post_init__(self):
+        if self.heads % self.kv_heads:
+            raise FlowgeomError(f"{self.block}: {self.heads} query heads are not a multiple of {self.kv_heads} K/V heads")
+        if self.rotary % 2 or not 0 <= self.rotary <= self.head_dim:
+            raise FlowgeomError(f"{self.block}: rotary dims {self.rotary} must be even and ≤ head_dim {self.head_dim}")
+        if self.qk_norm not in ("none", "per_head", "full"):
+            raise FlowgeomError(f"{self.block}: unknown qk_norm {self.qk_norm!r}; choose none, per_head or full")
+
+
+def _law(family: str, name: str, formula: str, count: int, params: tuple[str, ...], fn, status: str = "law") -> Law:
+    return Law(family=family, name=name, formula=formula, count=count, params=tuple(dict.fromkeys(params)), fn=fn,
+               status=status)
+
+
+def _groups(s: AttentionSpec, x: Tensor) -> Tensor:
+    """(H, ...) -> (G, H/G, ...)."""
+    return x.reshape(s.kv_heads, s.heads // s.kv_heads, *x.shape[1:])
+
+
+def _qk_laws(s: AttentionSpec) -> list[Law]:
+    d, r = s.head_dim, s.rotary
+    half = r // 2
+    rot = torch.arange(r)
+    free = torch.arange(r, d)
+    laws: list[Law] = []
+    qk = s.q.params + s.k.params
+    for g in range(s.kv_heads):
+        if r:
+            def block_law(p: Params, g=g) -> Tensor:
+                qn = (_groups(s, s.q.heads(p, dims=rot))[g] ** 2).sum(-1).sum(0)  # (r,) Σ_i row norms
+                kn = (s.k.heads(p, dims=rot)[g] ** 2).sum(-1)  # (r,)
+                h = kn - qn
+                return h[:half] + h[half:]  # pair j = dims (j, j + r/2)
+
+            laws.append(_law("attn.qk_rope", f"{s.block} group {g}: ‖K̃_g^(j)‖² − Σ_i∈g ‖Q̃_i^(j)‖²",
+                             f"per rotation pair j < {half} (with biases as a column)", half, qk, block_law))
+        if d - r:
+            n = d - r
+
+            def matrix_law(p: Params, g=g) -> Tensor:
+                Q = _groups(s, s.q.heads(p, dims=free))[g]  # (H/G, n, d_in[+1])
+                K = s.k.heads(p, with_bias=False, dims=free)[g]  # (n, d_in)
+                return _upper((Q @ Q.transpose(-1, -2)).sum(0) - K @ K.T)
+
+            where = "" if not r else f" on the {n} unrotated dims"
+            laws.append(_law("attn.qk", f"{s.block} group {g}: Σ_i∈g Q̃_iQ̃_iᵀ − K_gK_gᵀ{where}",
+                             "Σ_i∈g [Q_i|bq_i][Q_i|bq_i]ᵀ − K_gK_gᵀ", n * (n + 1) // 2, qk, matrix_law))
+            if s.k.bias is not None:
+                kb = s.k.bias
+
+                def kbias(p: Params, g=g) -> Tensor:
+                    return p[kb][s.k.rows[g, free]]  # (n,)
+
+                laws.append(_law("attn.k_bias", f"{s.block} group {g}: bk_g{where} (softmax shift, gradient ≡ 0)",
+                                 "bk_g component by component", n, (kb,), kbias))
+    return laws
+
+
+def _qk_norm_laws(s: AttentionSpec) -> list[Law]:
+    """Scale invariance of the normalised projections and the γ_q/γ_k rescalings."""
+    d, r, H, G = s.head_dim, s.rotary, s.heads, s.kv_heads
+    half = r // 2
+    laws: list[Law] = []
+    qn, kn = s.q_norm, s.k_norm
+    exact = s.norm_eps == 0
+    if s.qk_norm == "per_head" and exact:
+        laws.append(_law("attn.q_scale", f"{s.block}: ‖Q_i‖²_F per query head (RMSNorm scale invariance)",
+                         "‖Q_i‖²_F, i < H", H, s.q.params, lambda p: (s.q.heads(p, with_bias=False) ** 2).sum((1, 2))))
+        laws.append(_law("attn.k_scale", f"{s.block}: ‖K_g‖²_F per K/V head (RMSNorm scale invariance)",
+                         "‖K_g‖²_F, g < G", G, s.k.params, lambda p: (s.k.heads(p, with_bias=False) ** 2).sum((1, 2))))
+    if s.qk_norm == "per_head":
+        def gamma(p: Params) -> Tensor:
+            h = p[qn] ** 2 - p[kn] ** 2  # (d,)
+            return torch.cat([h[:half] + h[half:r], h[r:]])
+
+        laws.append(_law("attn.qk_norm_gamma", f"{s.block}: ‖γ_q^(j)‖² − ‖γ_k^(j)‖²",
+                         "per rotation pair j (and per unrotated dim)", half + d - r, (qn, kn), gamma))
+        return laws
+    if exact:  # full width
+        laws.append(_law("attn.q_scale", f"{s.block}: ‖W_Q‖²_F (full-width RMSNorm scale invariance)", "‖W_Q‖²_F", 1,
+                         s.q.params, lambda p: (s.q.heads(p, with_bias=False) ** 2).sum().reshape(1)))
+        laws.append(_law("attn.k_scale", f"{s.block}: ‖W_K‖²_F (full-width RMSNorm scale invariance)", "‖W_K‖²_F", 1,
+                         s.k.params, lambda p: (s.k.heads(p, with_bias=False) ** 2).sum().reshape(1)))
+
+    def gamma_full(p: Params) -> Tensor:
+        gq = (_groups(s, p[qn].reshape(H, d)) ** 2).sum(1)  # (G, d) Σ_i∈g γ_q²
+        h = gq - p[kn].reshape(G, d) ** 2  # (G, d)
+        return torch.cat([h[:, :half] + h[:, half:r], h[:, r:]], dim=1).reshape(-1)
+
+    laws.append(_law("attn.qk_norm_gamma", f"{s.block}: Σ_i∈g ‖γ_q^(i,j)‖² − ‖γ_k^(g,j)‖²",
+                     "per group and rotation pair j (and per unrotated dim)", G * (half + d - r), (qn, kn), gamma_full))
+    return laws
+
+
+def _vo_laws(s: AttentionSpec) -> list[Law]:
+    d = s.head_dim
+    laws = []
+    for g in range(s.kv_heads):
+        def vo(p: Params, g=g) -> Tensor:
+            V = s.v.heads(p)[g]  # (d_v, d_in[+1])
+            O = _groups(s, s.o.heads(p))[g]  # (H/G, d_model, d_v)
+            return _upper(V @ V.T - (O.transpose(-1, -2) @ O).sum(0))
+
+        laws.append(_law("attn.vo", f"{s.block} group {g}: Ṽ_gṼ_gᵀ − Σ_i∈g O_iᵀO_i",
+                         "[V_g|bv_g][V_g|bv_g]ᵀ − Σ_i∈g O_iᵀO_i", d * (d + 1) // 2, s.v.params + (s.o.weight,), vo))
+    return laws
+
+
+def attention_entry(s: AttentionSpec) -> CatalogueEntry:
+    """Laws and controls of one attention block (see the module docstring)."""
+    laws = (_qk_laws(s) if s.qk_norm == "none" else _qk_norm_laws(s)) + _vo_laws(s)
+    if s.qk_norm == "none":
+        q_ctl = _law("norm.W_Q", f"{s.block}: ‖W_Q‖²_F", "‖W_Q‖²_F (not conserved)", 1, (s.q.weight,),
+                     lambda p: (s.q.heads(p, with_bias=False) ** 2).sum().reshape(1), "control")
+    else:
+        q_ctl = _law("norm.q_norm", f"{s.block}: ‖γ_q‖²", "‖γ_q‖² (not conserved)", 1, (s.q_norm,),
+                     lambda p: (p[s.q_norm] ** 2).sum().reshape(1), "control")
+    v_ctl = _law("norm.W_V", f"{s.block}: ‖W_V‖²_F", "‖W_V‖²_F (not conserved)", 1, (s.v.weight,),
+                 lambda p: (s.v.heads(p, with_bias=False) ** 2).sum().reshape(1), "control")
+    notes = ()
+    if s.qk_norm != "none" and s.norm_eps:
+        notes = (f"{s.block}: QK RMSNorm eps = {s.norm_eps:g} — the scale laws ‖Q‖²_F, ‖K‖²_F hold only up to "
+                 "O(eps): neither claimed as laws nor used as controls",)
+    return CatalogueEntry(tuple(laws), (q_ctl, v_ctl), (), notes)
+
+
+def attention_count(s: AttentionSpec) -> int:
+    """The catalogue's number of laws of one attention block (sum of the families' counts)."""
+    return attention_entry(s).count
+
+
+@dataclass(frozen=True)
+class GatedMLPSpec:
+    """A gated MLP down(act(gate x) ⊙ up x): row indices of gate and up in their (maybe fused) weights."""
+
+    block: str
+    gate: str
+    up: str
+    down: str
+    gate_rows: Tensor
+    up_rows: Tensor
+
+
+def gated_mlp_entry(s: GatedMLPSpec) -> CatalogueEntry:
+    """‖up[i,:]‖² − ‖down[:,i]‖² per hidden unit; control ‖gate‖²_F."""
+    m = s.up_rows.numel()
+
+    def fn(p: Params) -> Tensor:
+        return (p[s.up][s.up_rows] ** 2).sum(1) - (p[s.down] ** 2).sum(0)  # (m,)
+
+    law = _law("mlp.gated", f"{s.block}: ‖up[i,:]‖² − ‖down[:,i]‖²", f"per hidden unit i < {m}", m, (s.up, s.down), fn)
+    ctl = _law("norm.gate", f"{s.block}: ‖gate‖²_F", "‖gate‖²_F (not conserved)", 1, (s.gate,),
+               lambda p: (p[s.gate][s.gate_rows] ** 2).sum().reshape(1), "control")
+    return CatalogueEntry((law,), (ctl,), ())
