@@ -15,7 +15,8 @@ from flowgeom.cli._common import add_device, add_json, add_seed, command, consol
 from flowgeom.cli.zoo_options import add_size_options, size_options
 
 DTYPES = ("float64", "float32")
-_TARGET_HELP = "zoo name (ffn, swiglu, mha, moe, linear2, relu2, chain) with size options, path/to/file.py:NAME or package.module:NAME"
+_TARGET_HELP = ("zoo name (ffn, swiglu, mha, moe, linear2, relu2, chain) with size options, path/to/file.py:NAME, "
+                "package.module:NAME or hf:MODEL_TYPE:PART (e.g. hf:llama:attention; needs transformers)")
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -23,6 +24,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-shape", default=None, help="shape of one input, e.g. 4,8 (for modules without sample_input)")
     p.add_argument("--dtype", default="float64", choices=DTYPES, help="arithmetic (default float64)")
     add_size_options(p)
+    p.add_argument("--config", action="append", default=None, metavar="KEY=VALUE",
+                   help="hf: targets: change the tiny transformers config (repeatable), e.g. --config num_key_value_heads=1")
+    p.add_argument("--keep-casts", action="store_true",
+                   help="hf: targets: keep the model's float32 casts (eager softmax, RMSNorm) instead of running them in --dtype")
     add_json(p)
     add_seed(p)
     add_device(p)
@@ -34,7 +39,8 @@ def _resolve(args: argparse.Namespace):
     from flowgeom.laws.target import resolve
 
     device = resolve_device(args.device)
-    target = resolve(args.target, size_options=size_options(args), input_shape=args.input_shape, seed=args.seed)
+    target = resolve(args.target, size_options=size_options(args), input_shape=args.input_shape, seed=args.seed,
+                     hf_config=args.config, keep_casts=args.keep_casts)
     return target, device, getattr(torch, args.dtype)
 
 
@@ -48,23 +54,33 @@ def _count(args: argparse.Namespace) -> int:
     target, device, dtype = _resolve(args)
     res = count(target.module, target.sampler, seed=args.seed, dtype=dtype, device=device, max_depth=args.max_depth,
                 tol=args.tol)
-    payload = {"target": target.label} | res.to_dict()
+    hf_config = getattr(target, "config", None)  # hf: targets: the tiny config values used
+    payload = {"target": target.label} | ({"config": hf_config} if hf_config else {}) | res.to_dict()
     if args.json:
         print_json(payload)
         return 0
     out = console()
-    out.print(f"[bold]{escape(target.label)}[/bold]: D = {res.parameters} parameters ({res.dtype}, {res.device}, seed {res.seed})")
+    out.print(f"[bold]{escape(target.label)}[/bold]: D = {res.parameters} parameters ({res.dtype}, {res.device}, seed {res.seed})",
+              emoji=False)  # hf:llama:attention is not an emoji
+    if hf_config:
+        out.print("config: " + escape(", ".join(f"{k}={v}" for k, v in hf_config.items())))
     out.print("rank of Lie(W)(θ) by bracket depth: " + " → ".join(str(r) for r in res.ranks_by_depth))
     line = f"[bold]{res.laws}[/bold] independent conservation laws (D − rank = {res.parameters} − {res.rank})"
     if res.expected is not None:
         match = "[green]matches[/green]" if res.expected == res.laws else "[red]differs from[/red]"
-        line += f"; {match} the catalogue's {res.expected}"
+        line += f"; {match} the {'closed form' if hf_config else 'catalogue'}'s {res.expected}"
     out.print(line)
     gap = res.gap
     ratio = f"{gap['ratio']:.1e}" if gap["ratio"] else "-"
     out.print(f"gap: smallest kept σ {_fmt(gap['smallest_kept'])} | tolerance {gap['tolerance']:.0e} | "
               f"largest dropped σ {_fmt(gap['largest_dropped'])} (ratio {ratio})")
-    if gap["smallest_kept"] and gap["smallest_kept"][0] < 1e-4:
+    prec = res.precision
+    if prec:
+        flag = "[red]reduced[/red]" if prec["reduced"] else "[green]full[/green]"
+        out.print(f"precision: {flag} — the fields carry {prec['effective']} rounding (noise {prec['noise']:.1e}) in a "
+                  f"{prec['dtype']} count")
+    trouble = (prec and prec["reduced"]) or any(n.startswith("unclear rank gap") for n in res.notes)
+    if gap["smallest_kept"] and gap["smallest_kept"][0] < 1e-4 and not trouble:
         out.print(f"[yellow]near-law:[/yellow] a direction kept with σ = {gap['smallest_kept'][0]:.1e} is broken only weakly "
                   "(e.g. by a normalisation eps); it is counted as not conserved")
     for note in res.notes:

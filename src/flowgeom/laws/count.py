@@ -40,6 +40,7 @@ from torch import nn
 
 from flowgeom.errors import FlowgeomError
 from flowgeom.laws.fields import FieldModel, Sampler, draw_inputs, module_sampler
+from flowgeom.laws.precision import assess, eager_attention, gap_notes, tolerance_for
 
 DEFAULT_TOL = {torch.float64: 1e-9, torch.float32: 1e-4}
 
@@ -62,6 +63,7 @@ class CountResult:
     draws: int
     vectorised: bool = True
     notes: list[str] = field(default_factory=list)
+    precision: dict | None = None  # precision.Precision: the noise floor of the fields and what it means
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -303,6 +305,7 @@ def count(
     at: str = "random",
     per_field: int = 16,
     max_memory: int | None = None,
+    check_precision: bool = True,
 ) -> CountResult:
     """Number of independent conservation laws of ``module`` at a random θ.
 
@@ -312,7 +315,10 @@ def count(
     ``"random"`` (a generic point on the module's scale) or ``"module"`` (its
     current weights). Raises FlowgeomError for a module without parameters, an
     input it rejects, or a D whose memory estimate exceeds ``max_memory``
-    (default: the free memory of ``device``).
+    (default: the free memory of ``device``). ``check_precision`` first measures
+    the fields' rounding noise (:mod:`flowgeom.laws.precision`): a module computing
+    below ``dtype`` inside is reported, and without ``tol`` the tolerance follows
+    the measured noise.
     """
     start = time.perf_counter()
     device = torch.device(device)
@@ -321,6 +327,7 @@ def count(
     if min(patience, block, per_field) < 1 or max_depth < 0:
         raise FlowgeomError("patience, block and per_field must be >= 1 and max_depth >= 0")
     work, sampler = prepare(module, sample_input, dtype=dtype, device=device)
+    switched = eager_attention(work)  # sdpa/flash have no forward-mode AD; eager is the same function
     model = FieldModel(work)
     d = model.layout.size
     need = memory_estimate(d, block, bytes_per=torch.empty(0, dtype=dtype).element_size())
@@ -335,9 +342,12 @@ def count(
     theta = model.layout.flatten({k: v.detach() for k, v in params.items()}).to(device=device, dtype=dtype)
     out_shape = probe_output(model, theta, sampler, gen, dtype=dtype, device=device)
     source = FieldSource(model, theta, sampler, out_shape, gen, per_field=per_field, dtype=dtype, device=device)
-    span = SpanTracker(d, tol=tol if tol is not None else DEFAULT_TOL.get(dtype, 1e-6), dtype=dtype, device=device)
+    prec = assess(model, theta, sampler, out_shape, seed=seed, dtype=dtype, device=device, per_field=per_field) if check_precision else None
+    default_tol = DEFAULT_TOL.get(dtype, 1e-6)
+    tol_used = tol if tol is not None else tolerance_for(prec, default_tol) if prec is not None and prec.reduced else default_tol
+    span = SpanTracker(d, tol=tol_used, dtype=dtype, device=device)
     ranks = lie_span(span, source, gen, max_depth=max_depth, patience=patience, block=block)
-    notes = []
+    notes = switched + gap_notes(span.gap(), prec, default_tol=default_tol, tol_given=tol is not None)
     if ranks and len(ranks) == max_depth + 1 and ranks[-1] != ranks[-2] and span.rank < d:
         notes.append(f"depth {max_depth} still added directions; raise max_depth for a sure count")
     if not source.vectorised:
@@ -346,11 +356,14 @@ def count(
         parameters=d, rank=span.rank, laws=d - span.rank, ranks_by_depth=ranks, expected=_expected(module),
         seconds=time.perf_counter() - start, seed=seed, tolerance=span.tol, gap=span.gap(), dtype=str(dtype).replace("torch.", ""),
         device=str(device), draws=source.draws, vectorised=source.vectorised, notes=notes,
+        precision=prec.to_dict() if prec is not None else None,
     )
 
 
 def _expected(module: nn.Module) -> int | None:
-    """The catalogue's count for zoo modules (None elsewhere or before the catalogue exists)."""
+    """The catalogue's count for zoo modules, an ``hf:`` part's closed form (None elsewhere)."""
+    if isinstance(getattr(module, "expected_laws", None), int):  # flowgeom.laws.hf_target.HFPart
+        return module.expected_laws
     if not hasattr(module, "arch_name"):
         return None
     try:

@@ -99,12 +99,25 @@ def _instantiate(obj: Any, where: str) -> nn.Module:
 
 
 def resolve(target: str, *, size_options: dict[str, Any] | None = None, input_shape: str | tuple[int, ...] | None = None,
-            seed: int = 0) -> Target:
-    """Build the module named by ``target`` (weights seeded by ``seed``) and its sampler."""
+            seed: int = 0, hf_config: list[str] | None = None, keep_casts: bool = False) -> Target:
+    """Build the module named by ``target`` (weights seeded by ``seed``) and its sampler.
+
+    ``hf:MODEL_TYPE:PART`` targets go to :mod:`flowgeom.laws.hf_target`; ``hf_config``
+    (``KEY=VALUE`` strings) and ``keep_casts`` apply to them only.
+    """
     from flowgeom.nn.zoo import ARCHITECTURES, build
 
     size_options = dict(size_options or {})
     arch = None
+    if target.startswith("hf:"):
+        if size_options:
+            flags = ", ".join("--" + k.replace("_", "-") for k in size_options)
+            raise FlowgeomError(f"{flags} only apply to zoo architectures; size {target!r} with --config KEY=VALUE")
+        from flowgeom.laws.hf_target import resolve_hf
+
+        return resolve_hf(target, config_items=hf_config, seed=seed, keep_casts=keep_casts)
+    if hf_config:
+        raise FlowgeomError(f"--config only applies to hf:MODEL_TYPE:PART targets, not to {target!r}; drop it")
     if ":" not in target:
         if target not in ARCHITECTURES:
             raise FlowgeomError(f"unknown target {target!r}; give a zoo name ({', '.join(ARCHITECTURES)}), "
