@@ -187,6 +187,13 @@ def gap_notes(gap: dict, precision: Precision | None, *, default_tol: float, tol
                      "Fix: run those ops in the module dtype (hf: targets do; for your own module wrap its forward in "
                      "flowgeom.laws.precision.keep_dtype()), then recount")
     kept, dropped = gap["smallest_kept"], gap["largest_dropped"]
+    if precision is not None and kept and kept[0] < 10 * precision.noise:
+        below = sum(1 for s in kept if s < 10 * precision.noise)
+        notes.append(f"unclear rank gap: {below}{'+' if below == len(kept) else ''} kept σ (smallest {kept[0]:.1e}) lie "
+                     f"within 10 × the fields' rounding noise {precision.noise:.1e}: they may be noise, not directions, "
+                     "and the count too small; leave --tol at its default (it follows the noise) or run the module "
+                     "in full precision")
+        return notes
     if kept and dropped and dropped[0] > 0 and kept[0] / dropped[0] < UNCLEAR_RATIO:
         notes.append(f"unclear rank gap: smallest kept σ {kept[0]:.1e} vs largest dropped σ {dropped[0]:.1e} "
                      f"(ratio {kept[0] / dropped[0]:.1e} < {UNCLEAR_RATIO:.0e}); the count depends on the tolerance "
