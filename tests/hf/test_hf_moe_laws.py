@@ -102,3 +102,16 @@ def test_uncovered_router_is_named_not_guessed():
     block.gate.__class__ = type("SigmoidGroupRouter", (torch.nn.Module,), {})
     entry = moe_entry(block, "layers.0.mlp")
     assert entry.laws == () and "not covered" in entry.notes[0] and "SigmoidGroupRouter" in entry.notes[0]
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe", "olmoe"])
+def test_locate_tracks_moe_laws_without_silent_skip(model_type):
+    from flowgeom.laws.locate import locate_blocks
+
+    model = tiny_model(model_type, seed=0)  # 2 layers, 4 experts
+    found = locate_blocks(model, warn=False)
+    families = [law.family for law in found.entry.laws]
+    assert families.count("moe.expert_up_down") == 8 and families.count("moe.router_sum") == 2
+    assert families.count("moe.shared_up_down") == (2 if model_type == "qwen2_moe" else 0)
+    assert {"norm.router", "norm.expert_gates"} <= {c.family for c in found.entry.controls}
+    assert not any("mlp" in u.block for u in found.uncovered), found.uncovered

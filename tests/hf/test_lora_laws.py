@@ -111,3 +111,13 @@ def test_one_step_on_tiny_llama_q_v_adapters():
         d = [float((item.evaluate({n: v - t * grads.get(n, 0) for n, v in theta.items()}) - h0).norm()) for t in taus]
         slope = (math.log(d[0]) - math.log(d[2])) / (math.log(taus[0]) - math.log(taus[2]))
         assert abs(slope - (2 if item.status == "law" else 1)) < 0.2, (item.name, slope)
+
+
+def test_locate_reports_adapters_not_frozen_base():
+    from flowgeom.laws.locate import locate_blocks
+
+    model = peft.get_peft_model(tiny_model("llama", seed=0), peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    found = locate_blocks(model, warn=False)
+    assert [law.family for law in found.entry.laws] == ["lora.gram"] * 4  # base weights frozen: no laws
+    assert [c.family for c in found.entry.controls] == ["norm.lora_B"] * 4
+    assert any("frozen" in n for n in found.entry.notes) and found.uncovered == ()

@@ -50,6 +50,7 @@ both norms move only at second order in the first step.
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -138,7 +139,7 @@ def lora_entry(module: nn.Module, prefix: str) -> CatalogueEntry:
             continue
         rank = A.shape[0]
         laws.append(gram_law(_join(prefix, a_rel), _join(prefix, b_rel), rank, label=where))
-        controls.append(norm_control(prefix, b_rel, f"lora_B[{adapter}]"))
+        controls.append(replace(norm_control(prefix, b_rel, f"lora_B[{adapter}]"), family="norm.lora_B"))
         if variant is not None:
             notes.append(f"{where}: DoRA — the A/B law holds; the magnitude vector has no law")
     return CatalogueEntry(tuple(laws), tuple(controls), (), tuple(notes))

@@ -60,7 +60,7 @@ per-expert modules (older or other families), LoRA on the experts.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -135,7 +135,7 @@ def router_law(prefix: str, layout: MoELayout) -> Law:
 def _gate_slices_control(prefix: str, width: int) -> Law:
     gu = _join(prefix, "gate_up_proj")
     return Law(
-        family="control", name=f"Σ_e ‖{gu}[e, :{width}]‖²_F",
+        family="norm.expert_gates", name=f"Σ_e ‖{gu}[e, :{width}]‖²_F",
         formula="Σ_e ‖gate_e‖²_F over every expert's gate rows (not conserved)", count=1, params=(gu,),
         fn=lambda p: (p[gu][:, :width] ** 2).sum().reshape(1), status="control",
     )
@@ -196,10 +196,11 @@ def moe_entry(block: nn.Module, prefix: str) -> CatalogueEntry:
     if layout.top_k == 1 and layout.renormalise:
         notes.append(f"{prefix}: top-1 renormalised routing — the router weights never move")
     else:
-        controls.insert(0, norm_control(prefix, "gate.weight", "router.weight"))
+        controls.insert(0, replace(norm_control(prefix, "gate.weight", "router.weight"), family="norm.router"))
     if layout.shared_width is not None:
         laws.append(_shared_expert_law(_join(prefix, "shared_expert"), layout.shared_width))
-        controls.append(norm_control(prefix, "shared_expert_gate.weight", "shared_expert_gate.weight"))
+        controls.append(replace(norm_control(prefix, "shared_expert_gate.weight", "shared_expert_gate.weight"),
+                                family="norm.shared_expert_gate"))
         notes.append(f"{prefix}: shared_expert_gate (sigmoid scalar gate) has no law")
     return CatalogueEntry(tuple(laws), tuple(controls), (), tuple(notes))
 
