@@ -189,7 +189,11 @@ def _entry(name: str, info: object, where: str) -> TensorEntry:
 
 
 def _short(value: object, limit: int = 80) -> str:
-    text = shown(json.dumps(value)) if isinstance(value, (list, dict, str, int, float, bool, type(None))) else shown(value)
+    """A parsed JSON value for a message: compact, escaped, cut at ``limit`` characters."""
+    try:
+        text = shown(json.dumps(value))
+    except (RecursionError, ValueError, TypeError):  # nested just under the parser's limit
+        text = _kind(value)
     return text if len(text) <= limit else text[:limit] + "…"
 
 
