@@ -7,7 +7,7 @@ from typing import Any
 
 from rich.markup import escape
 
-from flowgeom.cli._common import add_json, add_seed, area, command, console, print_json
+from flowgeom.cli._common import add_json, add_seed, area, bounded_int, command, console, print_json
 from flowgeom.cli.zoo_options import add_size_options, size_options
 
 
@@ -18,11 +18,65 @@ def _law_dict(law) -> dict[str, Any]:
     return out
 
 
+MAX_FIELDS = 100_000
+
+
+def check_memory(arch: str, options: dict[str, Any], *, n_fields: int) -> tuple[int, int]:
+    """(bytes, D): what :func:`flowgeom.laws.check` needs for ``arch``, estimated on the meta device.
+
+    The check holds two reverse-mode Jacobians: the fields (n_fields, D) and
+    the law gradients (law components, D); with autograd's intermediates the
+    measured peak is about 4 × 8 bytes × D × (n_fields + components)
+    (swiglu --d-hidden 1000 and 3000: 0.5 and 3.8 GiB above the interpreter),
+    plus the activations: jacrev pushes n_fields cotangents back through the
+    n_fields-sample batch, so they grow as n_fields² × one sample's forward
+    (mha, 64 fields, --seq-len 150 / 500: 4.9 / 23 GiB measured, 10 / 110 GiB
+    estimated: deliberately pessimistic, a refusal beats the OOM killer).
+    """
+    import torch
+
+    from flowgeom.laws import catalogue
+    from flowgeom.laws.fields import forward_bytes
+    from flowgeom.laws.target import require_buildable
+    from flowgeom.nn.zoo import config
+
+    require_buildable(arch, options)
+    cfg = config(arch, **options)
+    with torch.device("meta"):
+        model = cfg.build()
+        x = model.sample_input(1, torch.Generator())  # (1, ...) on meta: shapes only
+    model.arch_name, model.arch_config = arch, cfg
+    entry = catalogue(model)
+    components = sum(law.count for law in entry.laws + entry.controls + entry.refuted)
+    d = sum(p.numel() for p in model.parameters())
+    per_sample = forward_bytes(model.double(), x.double() if x.is_floating_point() else x)
+    activations = n_fields * (3 + n_fields) * per_sample  # jacrev's B cotangents each flow back through B samples
+    return 4 * 8 * d * (n_fields + components) + activations, d
+
+
+def require_check_memory(arch: str, options: dict[str, Any], *, n_fields: int, max_memory: int | None = None) -> None:
+    """FlowgeomError with the estimate, the free memory and the fix when the check would not fit."""
+    import torch
+
+    from flowgeom.errors import FlowgeomError
+    from flowgeom.laws.count import available_memory
+
+    if n_fields < 1 or n_fields > MAX_FIELDS:
+        raise FlowgeomError(f"--fields must be between 1 and {MAX_FIELDS:,}, got {n_fields}")
+    need, d = check_memory(arch, options, n_fields=n_fields)
+    limit = max_memory if max_memory is not None else int(0.8 * available_memory(torch.device("cpu")))
+    if need > limit:
+        raise FlowgeomError(f"checking {arch} (D = {d:,} parameters) with --fields {n_fields:,} needs about "
+                            f"{need / 2**30:.1f} GiB, more than the {limit / 2**30:.1f} GiB available; "
+                            "pass smaller size options or fewer --fields")
+
+
 def describe(arch: str, options: dict[str, Any], *, seed: int = 0, n_fields: int = 64) -> dict[str, Any]:
     """Catalogue entry of one architecture plus the check's verdict, as plain data."""
     from flowgeom.laws import catalogue, check
     from flowgeom.nn import build
 
+    require_check_memory(arch, options, n_fields=n_fields)
     model = build(arch, seed=seed, **options)
     entry = catalogue(model)
     report = check(model, entry.laws + entry.controls + entry.refuted, n_fields=n_fields, seed=seed)
@@ -120,7 +174,8 @@ def register(sub) -> None:
                 example="flowgeom laws show swiglu --d-hidden 16\nflowgeom laws show mha --heads 2 --d-k 4 --positions rope --json",
                 func=_show)
     p.add_argument("arch", metavar="ARCH", help="one of: " + ", ".join(ARCHITECTURES))
-    p.add_argument("--fields", type=int, default=64, help="random (input, output direction) pairs per point (default 64)")
+    p.add_argument("--fields", type=bounded_int(1, MAX_FIELDS), default=64,
+                   help=f"random (input, output direction) pairs per point, 1..{MAX_FIELDS:,} (default 64)")
     add_size_options(p)
     add_json(p)
     add_seed(p)

@@ -11,7 +11,8 @@ import argparse
 
 from rich.markup import escape
 
-from flowgeom.cli._common import add_device, add_json, add_seed, command, console, print_json, resolve_device
+from flowgeom.cli._common import (add_device, add_json, add_seed, bounded_int, command, console, finite_float, print_json,
+                                  resolve_device)
 from flowgeom.cli.zoo_options import add_size_options, size_options
 
 DTYPES = ("float64", "float32")
@@ -19,9 +20,33 @@ _TARGET_HELP = ("zoo name (ffn, swiglu, mha, moe, linear2, relu2, chain) with si
                 "package.module:NAME or hf:MODEL_TYPE:PART (e.g. hf:llama:attention; needs transformers)")
 
 
+MAX_DEPTH = 16  # = flowgeom.laws.count.MAX_DEPTH (not imported: the parser stays torch-free)
+MAX_PARAMETERS = 20_000  # discover's system has about (D + 1)·k unknowns; memory is estimated again before solving
+
+
+def input_shape(text: str) -> tuple[int, ...]:
+    """argparse type: ``4,8`` -> (4, 8), checked by :func:`flowgeom.laws.target.parse_shape`."""
+    from flowgeom.errors import FlowgeomError
+    from flowgeom.laws.target import parse_shape
+
+    try:
+        return parse_shape(text)
+    except FlowgeomError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--input-shape ")) from None
+
+
+def relative_tol(text: str) -> float:
+    """argparse type: a relative singular-value tolerance, a finite number in the open interval (0, 1)."""
+    try:
+        return finite_float(0.0, 1.0, lo_open=True, hi_open=True)(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"must be a relative tolerance, a finite number in (0, 1) such as 1e-9, got {text!r}") from None
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("target", metavar="TARGET", help=_TARGET_HELP)
-    p.add_argument("--input-shape", default=None, help="shape of one input, e.g. 4,8 (for modules without sample_input)")
+    p.add_argument("--input-shape", type=input_shape, default=None,
+                   help="shape of one input, e.g. 4,8 (for modules without sample_input)")
     p.add_argument("--dtype", default="float64", choices=DTYPES, help="arithmetic (default float64)")
     add_size_options(p)
     p.add_argument("--config", action="append", default=None, metavar="KEY=VALUE",
@@ -154,12 +179,15 @@ def register_verbs(verbs) -> None:
                         "flowgeom laws count my_block.py:Block --input-shape 4,8",
                 func=_count)
     _common(p)
-    p.add_argument("--tol", type=float, default=None, help="relative singular-value tolerance (default 1e-9 in float64)")
-    p.add_argument("--max-depth", type=int, default=6, help="deepest Lie bracket level (default 6)")
+    p.add_argument("--tol", type=relative_tol, default=None,
+                   help="relative singular-value tolerance in (0, 1) (default 1e-9 in float64, 1e-4 in float32)")
+    p.add_argument("--max-depth", type=bounded_int(0, MAX_DEPTH), default=6,
+                   help=f"deepest Lie bracket level, 0..{MAX_DEPTH} (default 6; 0 = no brackets, an upper bound)")
     p = command(verbs, "discover", help="find a readable basis of the quadratic conservation laws of a module",
                 example="flowgeom laws discover swiglu --d-model 3 --d-hidden 2\n"
                         "flowgeom laws discover moe --d-model 3 --d-hidden 2 --experts 2 --json",
                 func=_discover)
     _common(p)
     p.add_argument("--degree", type=int, default=2, choices=(1, 2), help="largest polynomial degree (default 2)")
-    p.add_argument("--max-parameters", type=int, default=300, help="refuse larger D (default 300)")
+    p.add_argument("--max-parameters", type=bounded_int(1, MAX_PARAMETERS), default=300,
+                   help=f"refuse larger D, 1..{MAX_PARAMETERS} (default 300)")

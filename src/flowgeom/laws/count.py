@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from flowgeom.errors import FlowgeomError
-from flowgeom.laws.fields import FieldModel, Sampler, draw_inputs, module_sampler
+from flowgeom.laws.fields import FieldModel, Sampler, draw_inputs, generator, module_sampler
 from flowgeom.laws.precision import assess, eager_attention, gap_notes, tolerance_for
 
 DEFAULT_TOL = {torch.float64: 1e-9, torch.float32: 1e-4}
@@ -178,6 +178,25 @@ def random_point(module: nn.Module, generator: torch.Generator) -> dict[str, tor
     return out
 
 
+MAX_DEPTH = 16  # bracket depth k costs 3**k Jacobian-vector products per draw; deeper is never reached in practice
+
+
+def check_tolerance(tol: float | None, dtype: torch.dtype) -> None:
+    """FlowgeomError unless ``tol`` is None or a relative tolerance in (10·eps(dtype), 1)."""
+    if tol is None:
+        return
+    eps = torch.finfo(dtype).eps
+    if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 10 * eps < tol < 1:
+        raise FlowgeomError(f"tolerance must be a relative singular-value threshold in ({10 * eps:.0e}, 1) for "
+                            f"{str(dtype).replace('torch.', '')}, got {tol!r}; the default is {DEFAULT_TOL.get(dtype, 1e-6):.0e}")
+
+
+def io_estimate(sampler: Sampler, out_shape: torch.Size, samples: int, *, bytes_per: int = 8) -> int:
+    """Bytes of ``samples`` module inputs and output weights (one draw sized with a throwaway generator)."""
+    x = draw_inputs(sampler, 1, 1, 1, torch.Generator().manual_seed(0), dtype=None, device="cpu")  # (1, 1, 1, *sample)
+    return 2 * bytes_per * samples * (x[0, 0, 0].numel() + math.prod(out_shape))
+
+
 def memory_estimate(parameters: int, block: int, *, bytes_per: int = 8) -> int:
     """Bytes the count needs: the D × D basis, the complement swap and a few (block, D) buffers."""
     return bytes_per * (2 * parameters * parameters + 6 * block * parameters)
@@ -202,12 +221,34 @@ def prepare(module: nn.Module, sample_input: Sampler | None, *, dtype, device) -
         raise FlowgeomError(f"expected an nn.Module, got {type(module).__name__}")
     if sum(p.numel() for p in module.parameters()) == 0:
         raise FlowgeomError(f"{type(module).__name__} has no parameters: there is nothing to conserve; pass a module with weights")
+    check_parameters(module)
     if sample_input is None:
         if not callable(getattr(module, "sample_input", None)):
             raise FlowgeomError(f"{type(module).__name__} has no sample_input(batch, generator); pass an input shape (--input-shape 4,8)")
         sample_input = module_sampler(module)
     work = copy.deepcopy(module).to(device=device, dtype=dtype)
     return work, sample_input
+
+
+def check_parameters(module: nn.Module) -> None:
+    """FlowgeomError for parameters the engine cannot differentiate: on the meta device, not real floats, NaN/Inf."""
+    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+        if t.is_meta:
+            raise FlowgeomError(f"{name!r} is on the meta device (no values); materialise the module first "
+                                "(module.to_empty(device='cpu') and initialise or load its weights)")
+    for name, p in module.named_parameters():
+        if not p.is_floating_point():
+            raise FlowgeomError(f"parameter {name!r} has dtype {str(p.dtype).replace('torch.', '')}; gradient flow needs "
+                                "real floating-point parameters; register it as a buffer (register_buffer) instead")
+        if not bool(torch.isfinite(p).all()):
+            raise FlowgeomError(f"parameter {name!r} contains NaN or Inf; fix or re-initialise the weights")
+
+
+def require_finite(values: torch.Tensor, what: str) -> None:
+    """FlowgeomError when ``values`` hold NaN or Inf: a rank of non-finite vectors means nothing."""
+    if not bool(torch.isfinite(values).all()):
+        raise FlowgeomError(f"{what} contain NaN or Inf at the sampled points; the module must be finite and "
+                            "differentiable there (look for log/sqrt/division at 0, overflow, or NaN weights)")
 
 
 def probe_output(model: FieldModel, theta: torch.Tensor, sampler: Sampler, generator: torch.Generator, *, dtype, device) -> torch.Size:
@@ -222,7 +263,9 @@ def probe_output(model: FieldModel, theta: torch.Tensor, sampler: Sampler, gener
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise FlowgeomError(f"the module rejected an input of shape {tuple(x.shape)}: {msg}; pass a shape it accepts (--input-shape)") from None
     if not isinstance(y, torch.Tensor) or not y.is_floating_point():
-        raise FlowgeomError(f"the module must return one floating-point tensor, got {type(y).__name__}; wrap it to return a tensor")
+        got = type(y).__name__ if not isinstance(y, torch.Tensor) else f"a {str(y.dtype).replace('torch.', '')} tensor"
+        raise FlowgeomError(f"the module must return one floating-point tensor, got {got}; wrap it to return a float tensor")
+    require_finite(y, "the module's outputs")
     return y.shape
 
 
@@ -243,16 +286,29 @@ class FieldSource:
         self.draws += n
         d = self.theta.numel()
         chunk = max(1, int(2**27 // (8 * p * d * 3 ** depth)))
+        out = None
         if self.vectorised:
             try:
-                return self.model.draw(self.theta, depth, xs, cs, chunk=chunk)
+                out = self.model.draw(self.theta, depth, xs, cs, chunk=chunk)
             except FlowgeomError:
                 raise
             except Exception:  # some op has no vmap rule: fall back to a loop over draws
                 self.vectorised = False
-        fn = self.model.nested(depth)
-        pairs = [fn(self.theta, xs[i], cs[i]) for i in range(n)]
-        return torch.stack([v for v, _ in pairs]), torch.stack([s for _, s in pairs])
+        if out is None:
+            fn = self.model.nested(depth)
+            try:
+                pairs = [fn(self.theta, xs[i], cs[i]) for i in range(n)]
+            except FlowgeomError:
+                raise
+            except Exception as exc:  # it ran once in probe_output: the module is not a pure function of (θ, x)
+                msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                raise FlowgeomError(f"the module failed while drawing depth-{depth} fields, after a first call that worked: "
+                                    f"{type(exc).__name__}: {msg}; its forward must be a pure function of its "
+                                    "parameters and input (no call counters or state changed by forward)") from None
+            out = torch.stack([v for v, _ in pairs]), torch.stack([s for _, s in pairs])
+        require_finite(out[0], f"the depth-{depth} fields (gradients{' and brackets' if depth else ''})")
+        require_finite(out[1], f"the depth-{depth} field scales")
+        return out
 
 
 def _grow_level(span: SpanTracker, source: FieldSource, depth: int, *, block: int, patience: int, max_blocks: int) -> None:
@@ -324,8 +380,11 @@ def count(
     device = torch.device(device)
     if at not in ("random", "module"):
         raise FlowgeomError(f"unknown point {at!r}; choose random or module")
-    if min(patience, block, per_field) < 1 or max_depth < 0:
-        raise FlowgeomError("patience, block and per_field must be >= 1 and max_depth >= 0")
+    if min(patience, block, per_field) < 1 or not 0 <= max_depth <= MAX_DEPTH:
+        raise FlowgeomError(f"patience, block and per_field must be >= 1 and 0 <= max_depth <= {MAX_DEPTH}, got "
+                            f"{patience}, {block}, {per_field} and max_depth {max_depth}")
+    check_tolerance(tol, dtype)
+    generator(seed)  # a bad seed is refused before any work
     work, sampler = prepare(module, sample_input, dtype=dtype, device=device)
     switched = eager_attention(work)  # sdpa/flash have no forward-mode AD; eager is the same function
     model = FieldModel(work)
@@ -341,6 +400,10 @@ def count(
     params = random_point(work, gen) if at == "random" else dict(work.named_parameters())
     theta = model.layout.flatten({k: v.detach() for k, v in params.items()}).to(device=device, dtype=dtype)
     out_shape = probe_output(model, theta, sampler, gen, dtype=dtype, device=device)
+    io = io_estimate(sampler, out_shape, block * per_field, bytes_per=torch.empty(0, dtype=dtype).element_size())
+    if io > limit:
+        raise FlowgeomError(f"the {block * per_field:,} inputs and output weights of one block need about {io / 2**30:.1f} GiB, "
+                            f"more than the {limit / 2**30:.1f} GiB available; use a smaller --input-shape or module output")
     source = FieldSource(model, theta, sampler, out_shape, gen, per_field=per_field, dtype=dtype, device=device)
     prec = assess(model, theta, sampler, out_shape, seed=seed, dtype=dtype, device=device, per_field=per_field) if check_precision else None
     default_tol = DEFAULT_TOL.get(dtype, 1e-6)
@@ -348,7 +411,9 @@ def count(
     span = SpanTracker(d, tol=tol_used, dtype=dtype, device=device)
     ranks = lie_span(span, source, gen, max_depth=max_depth, patience=patience, block=block)
     notes = switched + gap_notes(span.gap(), prec, default_tol=default_tol, tol_given=tol is not None)
-    if ranks and len(ranks) == max_depth + 1 and ranks[-1] != ranks[-2] and span.rank < d:
+    if max_depth == 0 and span.rank < d:
+        notes.append("max_depth 0: no Lie brackets were taken, so this is D − dim W(θ), an upper bound on the laws")
+    elif len(ranks) == max_depth + 1 and ranks[-1] != ranks[-2] and span.rank < d:
         notes.append(f"depth {max_depth} still added directions; raise max_depth for a sure count")
     if not source.vectorised:
         notes.append("torch.func.vmap failed on this module; fields were drawn one by one (slow path)")

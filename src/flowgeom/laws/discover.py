@@ -35,8 +35,9 @@ from torch import nn
 from flowgeom.errors import FlowgeomError
 from torch.func import vmap
 
-from flowgeom.laws.count import DEFAULT_TOL, FieldSource, _expected, prepare, probe_output, random_point
-from flowgeom.laws.fields import FieldModel, ParamLayout, Sampler, draw_inputs
+from flowgeom.laws.count import (DEFAULT_TOL, FieldSource, _expected, available_memory, io_estimate, prepare, probe_output,
+                                 random_point, require_finite)
+from flowgeom.laws.fields import FieldModel, ParamLayout, Sampler, draw_inputs, generator
 
 
 @dataclass
@@ -85,7 +86,16 @@ def _complements(model: FieldModel, thetas: torch.Tensor, sampler, out_shape, ge
         xs = draw_inputs(sampler, c * n, 1, per_field, gen, dtype=th.dtype, device=th.device)
         xs = xs.reshape(c, n, *xs.shape[1:])  # (c, n, 1, p, *sample)
         cs = torch.randn(c, n, 1, per_field, *out_shape, generator=gen, dtype=torch.float64).to(th)
-        vecs, scales = fn(th, xs, cs)  # (c, n, D), (c, n)
+        try:
+            vecs, scales = fn(th, xs, cs)  # (c, n, D), (c, n)
+        except FlowgeomError:
+            raise
+        except Exception as exc:  # no vmap rule, or a forward that is not a pure function of (θ, x)
+            msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            raise FlowgeomError(f"the module failed under torch.func.vmap while drawing fields: {type(exc).__name__}: {msg}; "
+                                "discover needs a pure forward that vmap can batch (`flowgeom laws count` falls back "
+                                "to a loop)") from None
+        require_finite(vecs, "the fields (gradients)")
         rows = vecs / scales.clamp_min(1e-300)[..., None]
         _, sig, vh = torch.linalg.svd(rows, full_matrices=True)  # sig (c, min(n, D)), vh (c, D, D)
         for i in range(c):
@@ -114,6 +124,8 @@ def _candidates(ns: list[torch.Tensor], thetas: torch.Tensor, *, rel_tol: float)
     evals, evecs = torch.linalg.eigh(gram)
     scale = max(float(evals.abs().max()), 1e-300)
     z = evecs[:, evals <= rel_tol * scale]  # (n, m)
+    _require_memory(4 * 8 * z.shape[1] * d * (d + 1), int(0.8 * available_memory(torch.device("cpu"))),
+                    f"the {z.shape[1]:,} candidate laws (each a D × D matrix, D = {d})")
     g = torch.zeros(z.shape[1], d, d + 1, dtype=thetas.dtype)  # (m, D, D+1) values g_i per candidate
     g.index_add_(2, pi, ncat.unsqueeze(0) * z.T.unsqueeze(1))
     u = g @ t  # (m, D, D+1) = [2A | b]
@@ -272,6 +284,20 @@ def _monomials(blk, p, r, layout, tol, limit=12) -> list[tuple[float, str]]:
     return out[:limit] + ([(0.0, f"… ({len(out) - limit} more terms)")] if len(out) > limit else [])
 
 
+def complements_memory(d: int, points: int, sampler: Sampler, out_shape, *, chunk: int = 16, per_field: int = 16) -> int:
+    """Bytes of :func:`_complements`: one chunk's inputs, fields and batched SVD, plus every N_i at worst (D, D)."""
+    n = d + 8  # fields per point
+    c = min(chunk, points)
+    io = io_estimate(sampler, out_shape, c * n * per_field)
+    return io + 8 * (c * (3 * n * d + n * n + d * d) + points * d * d)
+
+
+def _require_memory(need: int, limit: int, what: str) -> None:
+    if need > limit:
+        raise FlowgeomError(f"{what} need about {need / 2**30:.1f} GiB, more than the {limit / 2**30:.1f} GiB available; "
+                            "use a smaller instance (fewer parameters) or `flowgeom laws count`, which only counts")
+
+
 def _violation(laws, model, sampler, out_shape, gen, *, dtype, device) -> float:
     """Independent check: max |⟨∇h, X⟩| / (‖∇h‖ ‖X‖) over fresh points and fields."""
     worst = 0.0
@@ -300,6 +326,9 @@ def discover(
     start = time.perf_counter()
     if degree not in (1, 2):
         raise FlowgeomError(f"degree {degree!r} is not supported; choose 1 (linear) or 2 (quadratic) laws")
+    if extra_points < 1 or max_parameters < 1:
+        raise FlowgeomError(f"extra_points and max_parameters must be >= 1, got {extra_points} and {max_parameters}")
+    generator(seed)  # a bad seed is refused before any work
     device = torch.device(device)
     work, sampler = prepare(module, sample_input, dtype=dtype, device=device)
     model = FieldModel(work)
@@ -312,10 +341,19 @@ def discover(
     theta0 = model.layout.flatten(random_point(work, gen)).to(device=device, dtype=dtype)
     out_shape = probe_output(model, theta0, sampler, gen, dtype=dtype, device=device)
     n_points = (d + 1 if degree == 2 else 1) + extra_points
+    limit = int(0.8 * available_memory(device))
+    _require_memory(complements_memory(d, n_points, sampler, out_shape), limit, f"the field complements of D = {d:,} parameters")
     thetas = torch.stack([theta0] + [model.layout.flatten(random_point(work, gen)).to(device=device, dtype=dtype)
                                      for _ in range(n_points - 1)])  # (M, D)
-    ns = _complements(model, thetas, sampler, out_shape, gen, tol=tol)
+    ns = _complements(model, thetas[:16], sampler, out_shape, gen, tol=tol)  # first chunk: the size of the system
+    system = f"the symmetry system of about {{:,}} unknowns (D + 1 = {d + 1} points × the complement of W(θ))"
+    if degree == 2:  # k_i is generic: the first points predict Σ k_i before the other D + 1 - 16 are drawn
+        guess = (d + 1) * max(n.shape[1] for n in ns)
+        _require_memory(8 * 8 * guess**2, int(0.8 * available_memory(torch.device("cpu"))), system.format(guess))
+    ns += _complements(model, thetas[16:], sampler, out_shape, gen, tol=tol) if n_points > 16 else []
     if degree == 2:
+        unknowns = sum(n.shape[1] for n in ns[: d + 1])
+        _require_memory(8 * 8 * unknowns**2, int(0.8 * available_memory(torch.device("cpu"))), system.format(unknowns))
         a, b = _candidates([n.cpu() for n in ns[: d + 1]], thetas[: d + 1].cpu(), rel_tol=1e-10)
     else:  # linear laws: b in the span of N_0, A = 0
         b = ns[0].T.cpu()

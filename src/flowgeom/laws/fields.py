@@ -34,6 +34,8 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, jvp, vmap
 
+from flowgeom.errors import FlowgeomError
+
 # sampler(n, generator) -> (n, *sample): n valid module inputs stacked on a new dim 0.
 Sampler = Callable[[int, torch.Generator], torch.Tensor]
 
@@ -144,9 +146,46 @@ class FieldModel:
         return torch.cat([v for v, _ in parts]), torch.cat([s for _, s in parts])
 
 
+SEED_LIMIT = 2**63  # seeds are whole numbers in [0, 2**63): what every torch.Generator accepts, on every entry point
+
+
+def generator(seed: int) -> torch.Generator:
+    """A CPU ``torch.Generator`` seeded with ``seed``; FlowgeomError (not torch's RuntimeError) for a bad seed."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT:
+        raise FlowgeomError(f"seed must be a whole number in [0, 2**63), got {seed!r}; pass e.g. --seed 0")
+    return torch.Generator().manual_seed(seed)
+
+
+def _user_call(what: str, fn: Callable[[], object]) -> object:
+    """Call user code; anything it raises (SystemExit included, Ctrl-C excepted) becomes one FlowgeomError."""
+    try:
+        return fn()
+    except (FlowgeomError, KeyboardInterrupt):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - user code may raise anything, even SystemExit
+        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise FlowgeomError(f"{what} raised {type(exc).__name__}{': ' + msg if msg else ''}") from None
+
+
 def module_sampler(module: nn.Module) -> Sampler:
-    """Sampler from ``module.sample_input(batch, generator)``: each module input is a batch of one."""
-    return lambda n, generator: module.sample_input(n, generator).unsqueeze(1)  # (n, 1, ...)
+    """Sampler from ``module.sample_input(batch, generator)``: each module input is a batch of one.
+
+    The result is checked on every call: a tensor with ``batch`` rows; a
+    wrong type, shape, signature or an exception is a FlowgeomError naming
+    ``sample_input`` and what it must return.
+    """
+    name = f"{type(module).__name__}.sample_input(batch, generator)"
+
+    def sample(n: int, gen: torch.Generator) -> torch.Tensor:
+        x = _user_call(name, lambda: module.sample_input(n, gen))
+        if not isinstance(x, torch.Tensor):
+            raise FlowgeomError(f"{name} returned a {type(x).__name__}; it must return one tensor of shape (batch, ...)")
+        if x.dim() == 0 or x.shape[0] != n:
+            raise FlowgeomError(f"{name} returned shape {tuple(x.shape)} for batch = {n}; "
+                                f"it must return a tensor whose first dim is batch ({n}, ...)")
+        return x.unsqueeze(1)  # (n, 1, ...)
+
+    return sample
 
 
 def shape_sampler(shape: tuple[int, ...]) -> Sampler:
@@ -155,8 +194,46 @@ def shape_sampler(shape: tuple[int, ...]) -> Sampler:
 
 
 def draw_inputs(sampler: Sampler, n: int, slots: int, per_field: int, generator: torch.Generator, *, dtype, device) -> torch.Tensor:
-    """(n, slots, per_field, *sample): independent module inputs from ``sampler``."""
-    x = sampler(n * slots * per_field, generator)  # (n*slots*per_field, *sample)
-    if x.is_floating_point():
-        x = x.to(dtype=dtype)
+    """(n, slots, per_field, *sample): independent module inputs from ``sampler``.
+
+    FlowgeomError when the sampler fails, returns something other than a
+    tensor of ``n * slots * per_field`` rows, or floating inputs with NaN/Inf.
+    """
+    total = n * slots * per_field
+    x = _user_call("the input sampler", lambda: sampler(total, generator))  # (total, *sample)
+    if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] != total:
+        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise FlowgeomError(f"the input sampler returned {got} for {total} inputs; it must return a tensor ({total}, ...)")
+    if x.is_floating_point() or x.is_complex():
+        if not bool(torch.isfinite(x).all()):
+            raise FlowgeomError("the sampled inputs contain NaN or Inf; sample_input must return finite values")
+        if x.is_floating_point():
+            x = x.to(dtype=dtype)
     return x.to(device=device).reshape(n, slots, per_field, *x.shape[1:])
+
+
+def forward_bytes(module: nn.Module, x: torch.Tensor) -> int:
+    """Bytes of every intermediate tensor of one forward ``module(x)``, counted on the meta device.
+
+    ``module`` and ``x`` live on the meta device (shapes only, nothing is
+    allocated); each dispatched op adds the size of its outputs. An upper
+    bound on the activations autograd keeps; 0 when the forward cannot run on
+    meta tensors (the estimate then rests on the parameter terms alone).
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class _Count(TorchDispatchMode):
+        total = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            _Count.total += sum(t.numel() * t.element_size() for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+            return out
+
+    try:
+        with _Count(), torch.no_grad():
+            module(x)
+    except Exception:  # noqa: BLE001 - an estimate only; some ops have no meta kernel
+        return 0
+    return _Count.total

@@ -19,7 +19,10 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import math
+import operator
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +31,7 @@ import torch
 from torch import nn
 
 from flowgeom.errors import FlowgeomError
-from flowgeom.laws.fields import Sampler, module_sampler, shape_sampler
+from flowgeom.laws.fields import Sampler, generator, module_sampler, shape_sampler
 
 
 @dataclass
@@ -41,14 +44,27 @@ class Target:
     arch: str | None = None
 
 
-def parse_shape(text: str) -> tuple[int, ...]:
-    """``"4,8"`` -> (4, 8); FlowgeomError unless positive integers."""
+MAX_INPUT_DIMS = 8
+MAX_INPUT_ELEMENTS = 2**22  # one input; the engine draws thousands of them per block
+
+
+def parse_shape(text: str | Sequence[int]) -> tuple[int, ...]:
+    """``"4,8"`` -> (4, 8); FlowgeomError unless 1..8 positive integers with at most 2**22 elements in all."""
+    usage = f"--input-shape must be 1 to {MAX_INPUT_DIMS} comma-separated positive integers like 4,8, got {text!r}"
     try:
-        shape = tuple(int(s) for s in str(text).replace("x", ",").split(",") if s.strip())
-    except ValueError:
-        raise FlowgeomError(f"--input-shape must be comma-separated positive integers like 4,8, got {text!r}") from None
-    if not shape or min(shape) < 1:
-        raise FlowgeomError(f"--input-shape must be comma-separated positive integers like 4,8, got {text!r}")
+        if isinstance(text, str):
+            shape = tuple(int(s) for s in text.replace("x", ",").split(",") if s.strip())
+        elif any(isinstance(n, bool) for n in text):
+            raise TypeError("bool is not a size")
+        else:  # a sequence of whole numbers (numpy ints fine, floats not)
+            shape = tuple(operator.index(n) for n in text)
+    except (TypeError, ValueError):
+        raise FlowgeomError(usage) from None
+    if not shape or len(shape) > MAX_INPUT_DIMS or min(shape) < 1:
+        raise FlowgeomError(usage)
+    if math.prod(shape) > MAX_INPUT_ELEMENTS:
+        raise FlowgeomError(f"--input-shape {','.join(map(str, shape))} has {math.prod(shape):,} elements per input, more than "
+                            f"the {MAX_INPUT_ELEMENTS:,} allowed (the engine draws thousands of inputs); pass a smaller shape")
     return shape
 
 
@@ -64,15 +80,28 @@ def _load_module(spec: str) -> Any:
         sys.modules[name] = mod
         try:
             loader.loader.exec_module(mod)
-        except Exception as exc:
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - SystemExit at import must not end the CLI in silence
             sys.modules.pop(name, None)
-            raise FlowgeomError(f"could not import {spec!r}: {type(exc).__name__}: {exc}") from None
+            raise FlowgeomError(f"could not import {spec!r}: {_describe(exc)}; "
+                                "the file must define the module without exiting or raising") from None
         return mod
     try:
         return importlib.import_module(spec)
-    except Exception as exc:
-        raise FlowgeomError(f"could not import module {spec!r}: {type(exc).__name__}: {exc}; "
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - as above
+        raise FlowgeomError(f"could not import module {spec!r}: {_describe(exc)}; "
                             "check the name or give path/to/file.py:NAME") from None
+
+
+def _describe(exc: BaseException) -> str:
+    """``Type: first line`` of an exception; ``SystemExit(7)`` reads as a call to sys.exit(7)."""
+    if isinstance(exc, SystemExit):
+        return f"it called sys.exit({exc.code!r})"
+    msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {msg}" if msg else type(exc).__name__
 
 
 def _candidates(mod: Any) -> list[str]:
@@ -91,11 +120,34 @@ def _instantiate(obj: Any, where: str) -> nn.Module:
     except TypeError as exc:
         raise FlowgeomError(f"{where} cannot be built without arguments ({exc}); "
                             "wrap it in a zero-argument factory function") from None
-    except Exception as exc:
-        raise FlowgeomError(f"building {where} failed: {type(exc).__name__}: {exc}") from None
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - a constructor may call sys.exit too
+        raise FlowgeomError(f"building {where} failed: {_describe(exc)}") from None
     if not isinstance(module, nn.Module):
         raise FlowgeomError(f"{where}() returned a {type(module).__name__}, not an nn.Module")
     return module
+
+
+def require_buildable(arch: str, size_options: dict[str, Any], *, max_memory: int | None = None) -> int:
+    """Parameters D of zoo ``arch`` at ``size_options``, counted on the meta device (nothing allocated).
+
+    FlowgeomError when the module alone (its weights and a float64 copy, 4 × 8 × D bytes)
+    would not fit in ``max_memory`` (default: 80 % of the free memory), so an absurd size
+    is refused with the numbers instead of being killed by the kernel.
+    """
+    from flowgeom.laws.count import available_memory
+    from flowgeom.nn.zoo import config
+
+    cfg = config(arch, **size_options)
+    with torch.device("meta"):
+        d = sum(p.numel() for p in cfg.build().parameters())
+    need = 4 * 8 * d
+    limit = max_memory if max_memory is not None else int(0.8 * available_memory(torch.device("cpu")))
+    if need > limit:
+        raise FlowgeomError(f"{arch} at these sizes has D = {d:,} parameters, about {need / 2**30:.1f} GiB just to hold, more "
+                            f"than the {limit / 2**30:.1f} GiB available; pass smaller size options")
+    return d
 
 
 def resolve(target: str, *, size_options: dict[str, Any] | None = None, input_shape: str | tuple[int, ...] | None = None,
@@ -109,6 +161,8 @@ def resolve(target: str, *, size_options: dict[str, Any] | None = None, input_sh
 
     size_options = dict(size_options or {})
     arch = None
+    generator(seed)  # refuse a bad seed before building anything
+    shape = parse_shape(input_shape) if input_shape is not None else None  # absurd shapes refused even if unused
     if target.startswith("hf:"):
         if size_options:
             flags = ", ".join("--" + k.replace("_", "-") for k in size_options)
@@ -122,6 +176,7 @@ def resolve(target: str, *, size_options: dict[str, Any] | None = None, input_sh
         if target not in ARCHITECTURES:
             raise FlowgeomError(f"unknown target {target!r}; give a zoo name ({', '.join(ARCHITECTURES)}), "
                                 "path/to/file.py:NAME or package.module:NAME")
+        require_buildable(target, size_options)
         module, arch = build(target, seed=seed, **size_options), target
         label = target + "".join(f" --{k.replace('_', '-')} {v}" for k, v in size_options.items())
     else:
@@ -141,8 +196,7 @@ def resolve(target: str, *, size_options: dict[str, Any] | None = None, input_sh
         label = target
     if callable(getattr(module, "sample_input", None)):
         sampler = module_sampler(module)
-    elif input_shape is not None:
-        shape = parse_shape(input_shape) if isinstance(input_shape, str) else tuple(input_shape)
+    elif shape is not None:
         sampler = shape_sampler(shape)
     else:
         raise FlowgeomError(f"{label} has no sample_input(batch, generator); pass --input-shape (e.g. --input-shape 4,8)")
