@@ -11,7 +11,7 @@ from typing import Any
 
 from flowgeom.cli._common import (
     AppendDistinct, add_device, add_json, add_seed, add_threads, apply_threads, area, bounded_int, command, console,
-    nonneg_float, positive_float, positive_int, print_json, resolve_device,
+    nonneg_float, positive_int, print_json, resolve_device, step_size,
 )
 from flowgeom.errors import FlowgeomError
 
@@ -199,8 +199,8 @@ def register(sub) -> None:
                 func=run_cmd)
     _common(p, "runs/conserve")
     p.add_argument("--task", choices=("lm", "vit", "both"), default="both", help="which models (default both)")
-    p.add_argument("--lr", type=positive_float, action=AppendDistinct,
-                   help="step size τ > 0 (repeatable, distinct; default: preset grid)")
+    p.add_argument("--lr", type=step_size, action=AppendDistinct,
+                   help="step size τ in (0, 1e6] (repeatable, distinct; default: preset grid)")
     p.add_argument("--seeds", type=positive_int(maximum=10_000), default=None,
                    help="number of seeds from --seed, 1..10000 (default: preset)")
     p.add_argument("--regime", choices=("gd", "sgd", "both"), default="both",
@@ -220,7 +220,7 @@ def register(sub) -> None:
                         "flowgeom conserve scaling --arch moe-dense-sigmoid --tau 0.04 --tau 0.02 --tau 0.01 --json",
                 func=scaling_cmd)
     _common(p, "runs/scaling", steps_type=bounded_int(3, 10**9))
-    p.add_argument("--tau", type=positive_float, action=AppendDistinct,
-                   help="step size τ > 0 (repeatable, distinct; ≥ 3 values)")
+    p.add_argument("--tau", type=step_size, action=AppendDistinct,
+                   help="step size τ in (0, 1e6] (repeatable, distinct; ≥ 3 values)")
     p.add_argument("--decay-steps", type=bounded_int(4, 10**9), default=None,
                    help="length of the constant vs τ0/(k+1) schedule runs (default: preset)")
