@@ -53,8 +53,11 @@ symmetry for any activation, so ‖up[i,:]‖² − ‖down[:,i]‖² per hidden
 (m laws). A two-layer GELU MLP has none (seed 000).
 
 Controls (not conserved, must move at first order): ‖W_Q‖²_F of the query
-rows (Q side; ‖γ_q‖² with QK-norm) and ‖W_V‖²_F of the value rows (V/O side),
-‖gate‖²_F for the MLP.
+rows (Q side; ‖γ_q‖² with QK-norm), ‖V_0‖²_F of the first K/V head (V/O
+side; its first row under MQA), ‖gate‖²_F for the MLP. Not ‖W_V‖²_F whole:
+with a norm on the attention output (Gemma2's sandwich
+``post_attention_layernorm``) V → sV is a symmetry up to the norm's eps, so
+‖W_V‖²_F (and ‖W_O‖²_F) are conserved up to O(eps) there.
 """
 
 from __future__ import annotations
@@ -258,8 +261,12 @@ def attention_entry(s: AttentionSpec) -> CatalogueEntry:
     else:
         q_ctl = _law("norm.q_norm", f"{s.block}: ‖γ_q‖²", "‖γ_q‖² (not conserved)", 1, (s.q_norm,),
                      lambda p: (p[s.q_norm] ** 2).sum().reshape(1), "control")
-    v_ctl = _law("norm.W_V", f"{s.block}: ‖W_V‖²_F", "‖W_V‖²_F (not conserved)", 1, (s.v.weight,),
-                 lambda p: (s.v.heads(p, with_bias=False) ** 2).sum().reshape(1), "control")
+    # V side: one K/V head (one row under MQA), not all of W_V — a norm after the attention output
+    # (Gemma2's post_attention_layernorm) makes ‖W_V‖²_F itself conserved up to its eps.
+    v_rows = slice(None) if s.kv_heads > 1 else slice(0, 1)
+    what = "‖V_0‖²_F" if s.kv_heads > 1 else "‖V_0[0,:]‖²"
+    v_ctl = _law("norm.W_V", f"{s.block}: {what}", f"{what} (not conserved)", 1, (s.v.weight,),
+                 lambda p: (s.v.heads(p, with_bias=False)[0, v_rows] ** 2).sum().reshape(1), "control")
     notes = ()
     if s.qk_norm != "none" and s.norm_eps:
         notes = (f"{s.block}: QK RMSNorm eps = {s.norm_eps:g} — the scale laws ‖Q‖²_F, ‖K‖²_F hold only up to "

@@ -1,0 +1,123 @@
+"""ConservationMonitor on real transformers models: the one-step test, uncovered blocks, PEFT."""
+
+import math
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from flowgeom.hf.tiny import SUPPORTED, tiny_config, tiny_model  # noqa: E402
+from flowgeom.laws.locate import FlowgeomWarning, locate_blocks  # noqa: E402
+from flowgeom.laws.monitor import ConservationMonitor  # noqa: E402
+from flowgeom.laws.precision import keep_dtype  # noqa: E402
+
+TAUS = (1e-2, 1e-3, 1e-4)
+
+
+def _away_from_init(model, seed):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * p.abs().mean().clamp_min(0.02) * torch.randn(p.shape, generator=g, dtype=p.dtype))
+
+
+def _one_step(mt):
+    overrides = {"rms_norm_eps": 0.0} if mt in ("qwen3", "olmoe") else {}
+    model = tiny_model(mt, seed=0, **overrides)
+    _away_from_init(model, 1)
+    ids = torch.randint(3, 64, (2, 6), generator=torch.Generator().manual_seed(2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mon = ConservationMonitor(model, warn=False, per_block=False)
+    with keep_dtype():  # transformers' float32 softmax/RMSNorm would leave a ~1e-9 first-order floor
+        loss = model(input_ids=ids, labels=ids).loss
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    theta = [p.detach().clone() for p in model.parameters()]
+    eps = []
+    for tau in TAUS:
+        with torch.no_grad():
+            for p, t, g in zip(model.parameters(), theta, grads):
+                p.copy_(t - tau * g)
+        eps.append(mon.measure())
+    return mon, eps
+
+
+def _slope(values):
+    return (math.log(values[0]) - math.log(values[-1])) / (math.log(TAUS[0]) - math.log(TAUS[-1]))
+
+
+@pytest.mark.parametrize("mt", SUPPORTED)
+def test_one_step_laws_second_order_controls_first_order(mt):
+    mon, eps = _one_step(mt)
+    laws, controls = mon.families("eps"), mon.families("control")
+    assert laws and controls
+    if mt not in ("bert", "gpt2", "gpt_neox", "falcon"):
+        assert any("W_V" in c for c in controls)  # a V/O-side control
+    for key in laws:
+        vals = [e[key] for e in eps]
+        if max(vals) < 1e-13:  # exactly conserved (e.g. the k bias: its gradient is identically zero)
+            continue
+        assert 1.8 <= _slope(vals) <= 2.2, (key, vals)
+    for key in controls:
+        vals = [e[key] for e in eps]
+        assert 0.8 <= _slope(vals) <= 1.2, (key, vals)
+
+
+def test_every_attention_family_has_a_vo_control():
+    for mt in ("gpt2", "gpt_neox", "falcon", "bert"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            entry = locate_blocks(tiny_model(mt, seed=0), warn=False).entry
+        assert any(c.family == "norm.W_V" for c in entry.controls), mt
+
+
+def test_unknown_family_is_warned_listed_and_the_rest_measured():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.AutoConfig.for_model("opt", hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                               ffn_dim=32, vocab_size=32, max_position_embeddings=16,
+                                               word_embed_proj_dim=16)
+    opt = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").double()
+    llama = tiny_model("llama", seed=0)
+
+    class Both(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.opt, self.llama = opt, llama
+
+    with pytest.warns(FlowgeomWarning, match="opt.model.decoder.layers.0.self_attn.*model_type 'opt'"):
+        mon = ConservationMonitor(Both(), warn=True)
+    assert [u["block"] for u in mon.uncovered_list()] == ["opt.model.decoder.layers.0.self_attn"]
+    record = mon.step(0)
+    assert record["uncovered"][0]["reason"].startswith("model_type 'opt'")
+    assert "eps/attn.qk_rope" in record and not any("opt." in k for k in record)
+
+
+def test_partly_frozen_attention_is_uncovered_fully_frozen_is_a_note():
+    model = tiny_model("llama", seed=0)
+    model.model.layers[0].self_attn.k_proj.weight.requires_grad_(False)
+    for p in model.model.layers[1].self_attn.parameters():
+        p.requires_grad_(False)
+    found = locate_blocks(model, warn=False)
+    assert [u.block for u in found.uncovered] == ["model.layers.0.self_attn"]
+    assert any(n.startswith("model.layers.1.self_attn: all parameters frozen") for n in found.entry.notes)
+    assert not any("layers.1.self_attn" in n for law in found.entry.laws for n in law.params)
+
+
+def test_peft_lora_base_weights_give_no_laws():
+    peft = pytest.importorskip("peft")
+    model = tiny_model("llama", seed=0)
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    found = locate_blocks(lora, warn=False)
+    params = {n for law in found.entry.laws for n in law.params}
+    assert params and all("lora_" in n for n in params)  # only the adapters' laws (H6), no frozen base
+    assert not found.uncovered
+
+
+def test_gqa_from_config_not_child_names():
+    cfg = tiny_config("mistral")
+    model = tiny_model("mistral", seed=0)
+    entry = locate_blocks(model, warn=False).entry
+    vo = [law for law in entry.laws if law.family == "attn.vo"]
+    assert len(vo) == cfg.num_hidden_layers * cfg.num_key_value_heads  # one V/O law per K/V group
