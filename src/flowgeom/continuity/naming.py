@@ -62,6 +62,7 @@ ATTENTION = ("q", "k", "v", "o")
 SHARED = ("shared.gate", "shared.up", "shared.down", "shared.router")
 _EXPERT_PARTS = ("gate", "up", "down")
 _LAYER = r"^(?:.*?\.)?(?P<layer>\d+)\.(?:.*\.)?"
+_MAX_DIGITS = 12  # layer / expert indices beyond 10^12 are not real models
 _LORA = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.(?P<adapter>[^.]+))?\.weight$")
 _EMBED = re.compile(r"(?:^|\.)(?:embed_tokens|embed_in|embed_out|wte|wpe|word_embeddings|position_embeddings|"
                     r"token_type_embeddings|lm_head|token_embd|output)\.weight$")
@@ -221,9 +222,13 @@ Found = dict[str, dict[int, list[MatrixRef]]]
 def _refs(pat: RolePattern, hit: re.Match, name: str, shape: tuple[int, ...], hints: NamingHints) -> list[MatrixRef]:
     """The matrices ``pat`` takes from tensor ``name`` (several for an expert stack); LayoutError if unsplittable."""
     group = hit.group("layer") if "layer" in hit.re.groupindex else hit.group(1)
-    if group is None or not group.isdigit():
+    if group is None or not (group.isascii() and group.isdigit()):
         raise FlowgeomError(f"role {pat.role}: the layer group of {pat.regex!r} matched {group!r} in {name}, "
                             "not a layer number; capture only the digits")
+    tag = hit.group("expert") if "expert" in hit.re.groupindex else "0"
+    if len(group) > _MAX_DIGITS or len(tag) > _MAX_DIGITS:  # int() of thousands of digits: forged names
+        raise FlowgeomError(f"tensor {name[:80]}… has a layer or expert index of {max(len(group), len(tag))} "
+                            "digits; the checkpoint's names are forged or corrupt")
     want = 3 if pat.experts else 2
     if len(shape) != want:
         kind = "a stack of expert matrices (E, out, in)" if pat.experts else "a matrix"
