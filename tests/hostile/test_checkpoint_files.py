@@ -508,12 +508,17 @@ def test_small_gaps_are_still_listed():
         resolve_roles(shapes)
 
 
-@pytest.mark.xfail(reason="naming._match calls int() on a 5000-digit layer group (Python's 4300-digit limit "
-                          "raises ValueError): H7 owns _match", raises=ValueError)
 def test_layer_index_with_thousands_of_digits():
     shapes = {f"model.layers.{i}.self_attn.q_proj.weight": (4, 4) for i in ("0", "1" * 5000)}
     with pytest.raises(FlowgeomError):
         resolve_roles(shapes)
+
+
+def test_absurd_expert_number_is_reported_without_a_huge_range():
+    shapes = {f"model.layers.{layer}.mlp.experts.{e}.{p}_proj.weight": (4, 4)
+              for layer in (0, 1) for e in (0, 10 ** 11) for p in ("gate", "up", "down")}
+    layout = resolve_roles(shapes)
+    assert any("run to 100000000000" in w for w in layout.warnings)
 
 
 # 6. extreme but finite weights -----------------------------------------------------------------------------------

@@ -392,7 +392,12 @@ def _family_warnings(roles: set[str]) -> list[str]:
         if present and missing:
             out.append(f"{family} roles {', '.join(missing)} not found (found {', '.join(present)}); "
                        "the other roles are analysed")
-    gaps = sorted(set(range(experts[-1] + 1)) - set(experts)) if experts else []
+    missing_count = experts[-1] + 1 - len(experts) if experts else 0
+    if missing_count > 64:  # never materialise a range up to an absurd expert number
+        out.append(f"expert numbers run to {experts[-1]} but only {len(experts)} experts were found; "
+                   "the experts found are analysed")
+        return out
+    gaps = [x for a, b in zip([-1] + experts, experts) for x in range(a + 1, b)]
     if gaps:
         out.append(f"experts {gaps} not found among experts 0..{experts[-1]}; the others are analysed")
     return out
