@@ -144,8 +144,10 @@ def _encode(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
     def child(key: Any) -> str:
         return f"{path}.{key}" if path else str(key)
 
-    if obj is None or isinstance(obj, (bool, str)):
-        return obj if not isinstance(obj, str) else str(obj)
+    if obj is None or isinstance(obj, bool):
+        return obj
+    if isinstance(obj, str):
+        return str(obj)
     if isinstance(obj, int):
         return int(obj)
     if isinstance(obj, float):
