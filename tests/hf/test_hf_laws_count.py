@@ -36,14 +36,19 @@ CASES = [
     ("hf:llama:attention", (), 2 * (2 + 10)),
     ("hf:llama:attention", ("num_key_value_heads=1",), 1 * (2 + 10)),
     ("hf:qwen3:attention", (), 2 + 2 * 10),
-    ("hf:qwen3:attention", ("num_key_value_heads=1", "rms_norm_eps=0"), 2 + 10 + (2 + 1)),
+    pytest.param("hf:qwen3:attention", ("num_key_value_heads=1", "rms_norm_eps=0"), 2 + 10 + (2 + 1), marks=pytest.mark.slow),
     ("hf:llama:mlp", (), 6),
     ("hf:gpt2:attention", (), 2 * (10 + 4 + 10)),
     ("hf:mixtral:moe", (), 8 + 3 * 3),
 ]
 
 
-@pytest.mark.parametrize("target,items,laws", CASES, ids=[f"{t}{'+' + '+'.join(i) if i else ''}" for t, i, _ in CASES])
+def _id(case):
+    t, i, _ = case.values if hasattr(case, "values") else case
+    return t + ("+" + "+".join(i) if i else "")
+
+
+@pytest.mark.parametrize("target,items,laws", CASES, ids=[_id(c) for c in CASES])
 def test_hf_counts_match_closed_forms(target, items, laws):
     t, res = _count(target, *items)
     assert res.laws == laws
@@ -193,3 +198,14 @@ def test_cli_errors_are_one_line(capsys, argv, needle):
     lines = [line for line in err.splitlines() if line.strip()]
     assert rc == 2 and len(lines) == 1 and "Traceback" not in err
     assert lines[0].startswith("flowgeom: error: ") and needle in lines[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target,items", [("hf:llama:attention", ("num_key_value_heads=1",)), ("hf:qwen3:attention", ()),
+                                          ("hf:gpt2:attention", ()), ("hf:qwen2_moe:moe", ())])
+def test_closed_forms_agree_with_the_located_catalogue(target, items):
+    """The law families flowgeom.laws.locate finds in the same block add up to the same count."""
+    locate = pytest.importorskip("flowgeom.laws.locate").locate
+    t = resolve_hf(target, config_items=list(items))
+    entry = locate(t.module, warn=False)
+    assert sum(law.count for law in entry.laws) == t.module.expected_laws

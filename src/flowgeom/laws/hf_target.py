@@ -359,6 +359,8 @@ def build(model_type: str, part: str, *, overrides: dict[str, Any] | None = None
     wrapped = HFPart(modules, part=part, hidden=hidden, seq_len=SEQ_LEN, rope=rope, causal=causal,
                      keep_casts=keep_casts, expected_laws=expected).to(torch.float64).eval()
     shown = {k: getattr(config, k) for k in kwargs if hasattr(config, k)}
+    if lay.moe:
+        shown["_experts_implementation"] = getattr(config, "_experts_implementation", None)
     shown.update(_attn_implementation=config._attn_implementation, dtype="float64", seq_len=SEQ_LEN,
                  casts="kept (module's own float32 ops)" if keep_casts else "run in float64 (keep_dtype)")
     return HFBuild(module=wrapped, model_type=model_type, part=part, config=shown, expected=expected)
