@@ -292,3 +292,16 @@ def test_the_installed_command_guards_in_a_subprocess(tmp_path):
     proc = subprocess.run([str(exe), "langevin", "villani", "--threads", "100000"], capture_output=True, text=True,
                           env=env, cwd=tmp_path, timeout=120)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "--threads" in proc.stderr
+
+
+def test_villani_figure_in_new_folder_is_written_in_its_format(cli, tmp_path):
+    path = tmp_path / "new" / "sub" / "v.svg"
+    rc, _, _ = cli(["langevin", "villani", "--loss", "norm2", "--rays", "1", "--points", "4", "--figure", path])
+    assert rc == 0 and b"<svg" in path.read_bytes()[:2000]
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self"), reason="needs Linux /proc")
+def test_villani_figure_that_cannot_be_written_is_one_error_line(cli):
+    rc, _, err = cli(["langevin", "villani", "--loss", "norm2", "--rays", "1", "--points", "4",
+                      "--figure", "/proc/flowgeom-h4.png"])
+    assert rc == 2 and "cannot write the figure" in err

@@ -210,8 +210,8 @@ def register(sub) -> None:
     p.add_argument("--weight-decay", type=nonneg_float, default=0.0, help="λ; also records the rescaled laws e^{dλt}·h")
     p.add_argument("--schedule", choices=("constant", "inverse"), default="constant", help="τ_k = τ or τ/(k+1)")
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32", help="training precision (default float32)")
-    p.add_argument("--batch", type=positive_int(maximum=10**7), default=None,
-                   help="batch size >= 1 (= training set for gd; default 32)")
+    p.add_argument("--batch", type=positive_int(maximum=65_536), default=None,
+                   help="batch size, 1..65536 (= training set for gd; default 32)")
     p.add_argument("--patch", type=positive_int, default=7, help="ViT patch side; must divide the image side (default 7 for "
                                                         "MNIST; e.g. 8 for CIFAR-10, 16 for ImageNet 224)")
     p.add_argument("--images", default=None, help="ViT data: MNIST IDX, CIFAR-10 python or class folder (default: MNIST)")

@@ -26,7 +26,7 @@ def run_villani(args: argparse.Namespace) -> int:
     report = probe(obj, temperature=args.temperature, rays=args.rays, r_max=args.r_max, points=args.points,
                    exact_max_dim=args.exact_max_dim, probes=args.probes, seed=args.seed)
     if args.figure:
-        plot(report, args.figure)
+        _write_figure(plot, report, args.figure)
     if args.json:
         print_json(asdict(report))
         return 0
@@ -47,6 +47,19 @@ def run_villani(args: argparse.Namespace) -> int:
     if args.figure:
         out.print(f"  figure: {args.figure}")
     return 0
+
+
+def _write_figure(plot, result, path: str) -> None:
+    """``plot(result, path)`` (parent folders created); an OS refusal (disk full, permissions) is one error line."""
+    from flowgeom.errors import FlowgeomError
+
+    from pathlib import Path
+
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        plot(result, path)
+    except OSError as exc:
+        raise FlowgeomError(f"cannot write the figure {path}: {exc.strerror or exc}; choose another --figure") from exc
 
 
 def _check_probe_memory(dim: int, args: argparse.Namespace) -> None:
@@ -126,7 +139,7 @@ def run_rate_cmd(args: argparse.Namespace) -> int:
                      eps=args.eps, seed=args.seed)
     result = run_rate(cfg)
     if args.figure:
-        plot_rate(result, args.figure)
+        _write_figure(plot_rate, result, args.figure)
     if args.json:
         print_json(result)
         return 0
@@ -225,7 +238,8 @@ def register(sub) -> None:
     p = command(verbs, "rate", help="time to ε-suboptimality vs log(1/ε) for many chains, regularised vs not",
                 example="flowgeom langevin rate --loss attention --figure rate.png", func=run_rate_cmd)
     p.add_argument("--loss", default="attention", choices=["attention", "lora"], help="the paper's loss (small task)")
-    p.add_argument("--chains", type=positive_int(maximum=10**7), default=128, help="independent chains (default 128)")
+    p.add_argument("--chains", type=positive_int(maximum=10**6), default=128,
+                   help="independent chains, 1..10**6 (default 128)")
     p.add_argument("--start-radius", type=positive_float, default=30.0, help="‖θ_0‖ of every chain (default 30)")
     p.add_argument("--lr", type=step_size, default=0.02, help="Langevin step size in (0, 1e6] (default 0.02)")
     p.add_argument("--temperature", type=nonneg_float, default=0.01, help="temperature s >= 0 (default 0.01)")

@@ -27,7 +27,8 @@ def check_figure_path(path: str | os.PathLike) -> Path:
     """``path`` as a Path if a figure can be written there, else :class:`FlowgeomError` (before any work).
 
     Refused: an extension matplotlib cannot write (the error lists those it
-    can), a path that is an existing directory, a parent that is a file.
+    can), a path that is an existing directory, a parent that is a file or
+    an existing folder on the way that is not writable.
     """
     raw = os.fspath(path)
     path = Path(raw)
@@ -43,6 +44,9 @@ def check_figure_path(path: str | os.PathLike) -> Path:
         if parent.exists():
             if not parent.is_dir():
                 raise FlowgeomError(f"figure path {str(path)!r}: {str(parent)!r} is a file, not a folder; "
+                                    "choose another location")
+            if not os.access(parent, os.W_OK | os.X_OK):
+                raise FlowgeomError(f"figure path {str(path)!r}: folder {str(parent)!r} is not writable; "
                                     "choose another location")
             break
     return path
