@@ -2,8 +2,9 @@
 
 A :class:`TensorSource` lists ``{name: shape}`` without reading data and
 loads **one tensor at a time** (safetensors ``safe_open`` reads only that
-tensor's bytes; GGUF tensors are views into a read-only memmap, dequantised
-one at a time with ``gguf.quants.dequantize`` — Q4_0/Q4_1/Q8_0/K-quants …).
+tensor's bytes; GGUF tensors are views into a private memory map, dequantised
+one at a time by :mod:`flowgeom.continuity.gguf_file` — F32/F16/BF16/Q8_0/
+Q4_0/Q4_1 in torch, K-quants and others through ``gguf.quants``).
 
 Checkpoints come from other people, so every file is treated as hostile
 (see :mod:`flowgeom.continuity.checkpoint_files`): it must be a regular file
@@ -180,33 +181,31 @@ def _check_weight_map(weight_map: Mapping[str, Path], found: Mapping[str, Path],
 
 
 class GGUFSource(TensorSource):
-    """A GGUF file through ``gguf.GGUFReader`` (read-only memmap); shapes reported (out, in)."""
+    """A GGUF file through flowgeom's minimal reader (:mod:`flowgeom.continuity.gguf_file`); shapes (out, in).
+
+    Opening parses only the tensor table (the key/value section is walked,
+    not decoded): ~10 ms for SmolLM2 where ``gguf.GGUFReader`` took seconds.
+    Tensors are zero-copy views into a private memory map, dequantised one at
+    a time.
+    """
 
     def __init__(self, path: Path):
-        import gguf
+        from flowgeom.continuity.checkpoint_files import _open_regular
+        from flowgeom.continuity.gguf_file import GGUFFile
 
-        regular_file(path, "GGUF file")
-        self.label = shown(path)
-        try:
-            self._reader = gguf.GGUFReader(str(path), "r")
-            tensors = {t.name: t for t in self._reader.tensors}
-        except Exception as exc:
-            raise FlowgeomError(f"{shown(path)} is not a readable GGUF file ({type(exc).__name__}: {one_line(exc)}); "
-                                "it may be truncated or corrupt: re-download it") from exc
-        size = path.stat().st_size
-        for t in tensors.values():
-            if t.data_offset + t.n_bytes > size:
-                raise FlowgeomError(f"{shown(path)}: tensor {shown(t.name)} runs past the end of the file; "
-                                    "it is truncated: re-download it")
-        self._path, self._tensors = path, tensors
-        super().__init__({name: tuple(int(d) for d in reversed(t.shape)) for name, t in tensors.items()})
+        self.label, self._path = shown(path), path
+        with _open_regular(path, "GGUF file") as fh:
+            try:
+                self._file = GGUFFile(path, fh)
+            except FlowgeomError:
+                raise
+            except Exception as exc:  # mmap of an empty file, I/O errors
+                raise FlowgeomError(f"{shown(path)} is not a readable GGUF file ({type(exc).__name__}: "
+                                    f"{one_line(exc)}); it may be truncated or corrupt: re-download it") from exc
+        super().__init__({name: t.shape for name, t in self._file.tensors.items()})
 
     def _read(self, name: str) -> torch.Tensor:
-        from gguf import quants
-
-        t = self._tensors[name]
-        arr = quants.dequantize(t.data, t.tensor_type)  # numpy, (out, in) for matrices
-        return torch.from_numpy(arr.reshape(self.shapes[name]).copy())
+        return self._file.tensor(name)  # new memory: callers may modify it
 
     def nbytes(self) -> int:
         return self._path.stat().st_size
