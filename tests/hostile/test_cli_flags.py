@@ -305,3 +305,59 @@ def test_villani_figure_that_cannot_be_written_is_one_error_line(cli):
     rc, _, err = cli(["langevin", "villani", "--loss", "norm2", "--rays", "1", "--points", "4",
                       "--figure", "/proc/flowgeom-h4.png"])
     assert rc == 2 and "cannot write the figure" in err
+
+
+# -- every typed flag of these commands, fed arbitrary text: parsed, or one usage line ----------------
+
+PREFIXES = {
+    ("langevin", "villani"): [], ("langevin", "rate"): [], ("langevin", "darcy"): ["--out", "d"],
+    ("conserve", "run"): [], ("conserve", "scaling"): [], ("continuity", "analyze"): ["m.safetensors"],
+    ("continuity", "train"): ["mlp", "--out", "t"], ("continuity", "ablate"): ["--out", "t"],
+    ("reproduce",): ["laws"],
+}
+
+
+def _typed_flags():
+    from flowgeom.cli import build_parser
+
+    parser = build_parser()
+    found = []
+    for path, prefix in PREFIXES.items():
+        p = parser
+        for name in path:
+            sub = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction))
+            p = sub.choices[name]
+        for action in p._actions:
+            if action.option_strings and action.type not in (None, str) and action.nargs is None:
+                found.append((path, prefix, action.option_strings[-1]))
+    return found
+
+
+TYPED_FLAGS = _typed_flags()
+
+
+def test_the_sweep_covers_the_numeric_flags():
+    flags = {(path, flag) for path, _, flag in TYPED_FLAGS}
+    assert (("langevin", "villani"), "--temperature") in flags and (("conserve", "run"), "--seeds") in flags
+    assert len(flags) >= 40
+
+
+@settings(max_examples=50, deadline=None)
+@given(case=st.sampled_from(TYPED_FLAGS),
+       text=st.one_of(st.integers(-(2**70), 2**70).map(str), st.floats().map(repr), st.text(max_size=6),
+                      st.sampled_from(["0", "-1", "1e300", "nan", "inf", "1,1", "", "2**63", "0x10"])))
+def test_any_text_for_a_typed_flag_parses_or_is_one_usage_line(case, text):
+    import contextlib
+    import io
+
+    from flowgeom.cli import build_parser
+
+    path, prefix, flag = case
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            build_parser().parse_args([*path, *prefix, f"{flag}={text}"])
+        except SystemExit as exc:
+            assert exc.code == 2
+            lines = err.getvalue().splitlines()
+            assert len(lines) == 1 and lines[0].startswith("flowgeom") and "error:" in lines[0], err.getvalue()

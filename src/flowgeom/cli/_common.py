@@ -169,6 +169,15 @@ def nonneg_int(text: str) -> int:
     return bounded_int(0)(text)
 
 
+def boolean(text: str) -> bool:
+    """argparse type: true/false (also yes/no, on/off, 1/0; any case)."""
+    if str(text).strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    if str(text).strip().lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
 def seed(text: str) -> int:
     """argparse type: a random seed, ``0 <= seed < 2**63`` (what every torch.Generator accepts)."""
     value = _as_int(text)

@@ -14,8 +14,8 @@ from flowgeom.cli._common import (
     add_device, add_json, add_seed, add_threads, apply_threads, command, console, figure_path, positive_float,
     positive_int, print_json, resolve_device, step_size,
 )
+from flowgeom.cli._common import boolean
 from flowgeom.cli._common import seed as seed_type
-from flowgeom.cli.zoo_options import _parse_bool as zoo_parse_bool
 from flowgeom.errors import FlowgeomError
 
 
@@ -65,7 +65,7 @@ def _typed_value(key: str, text: str, hint):
     kind += " or null" if optional else ""
     try:
         if base is bool:
-            return zoo_parse_bool(text)
+            return boolean(text)
         if base is int:
             return (seed_type if key == "seed" else positive_int)(text)
         if base is float:

@@ -13,6 +13,7 @@ import types
 import typing
 from typing import Any
 
+from flowgeom.cli._common import boolean
 from flowgeom.nn.zoo import option_fields
 
 _PREFIX = "zoo_"
@@ -25,12 +26,6 @@ def _base_type(annotation: Any) -> type:
     return hint
 
 
-def _parse_bool(text: str) -> bool:
-    if text.lower() in ("1", "true", "yes", "on"):
-        return True
-    if text.lower() in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
 def add_size_options(parser: argparse.ArgumentParser) -> None:
@@ -41,7 +36,7 @@ def add_size_options(parser: argparse.ArgumentParser) -> None:
         flag = "--" + name.replace("_", "-")
         meta = f.metadata
         if kind is bool:
-            group.add_argument(flag, dest=_PREFIX + name, nargs="?", const=True, type=_parse_bool,
+            group.add_argument(flag, dest=_PREFIX + name, nargs="?", const=True, type=boolean,
                                default=argparse.SUPPRESS, help=meta.get("help"))
         else:
             group.add_argument(flag, dest=_PREFIX + name, type=kind, default=argparse.SUPPRESS,
