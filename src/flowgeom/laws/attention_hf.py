@@ -80,6 +80,12 @@ def _upper(m: Tensor) -> Tensor:
     return m[..., i, j].reshape(-1)
 
 
+def _contiguous(idx: Tensor) -> bool:
+    """True when the (heads, d) index grid is one increasing run start, start+1, …"""
+    flat = idx.reshape(-1)
+    return flat.numel() > 0 and int(flat[-1] - flat[0]) == flat.numel() - 1 and bool((flat.diff() == 1).all())
+
+
 @dataclass(frozen=True)
 class Proj:
     """The per-head rows of one projection inside a (possibly fused) weight.
@@ -93,11 +99,15 @@ class Proj:
     axis: int = 0
     bias: str | None = None
 
-    def heads(self, p: Params, *, with_bias: bool = True, dims: Tensor | None = None) -> Tensor:
-        """(heads, d, d_in[+1]) matrices of the heads, restricted to ``dims`` of each head."""
-        rows = self.rows if dims is None else self.rows[:, dims]  # (heads, d)
+    def heads(self, p: Params, *, with_bias: bool = True, dims: Tensor | None = None, which: slice = slice(None)
+              ) -> Tensor:
+        """(heads, d, d_in[+1]) matrices of the heads ``which``, restricted to ``dims`` of each head."""
+        rows = self.rows[which] if dims is None else self.rows[which][:, dims]  # (heads, d)
         w = p[self.weight] if self.axis == 0 else p[self.weight].T  # (out, in)
-        m = w[rows]  # (heads, d, d_in)
+        if _contiguous(rows):  # a view, no gather (the common separate-projection case)
+            m = w[int(rows[0, 0]):int(rows[-1, -1]) + 1].reshape(*rows.shape, w.shape[1])  # (heads, d, d_in)
+        else:
+            m = w[rows]  # (heads, d, d_in)
         if with_bias and self.bias is not None:
             m = torch.cat([m, p[self.bias][rows][..., None]], dim=-1)  # (heads, d, d_in + 1)
         return m
@@ -115,10 +125,13 @@ class OutProj:
     cols: Tensor
     axis: int = 1  # axis of the weight holding the input features (1 Linear, 0 Conv1D)
 
-    def heads(self, p: Params) -> Tensor:
-        """(heads, d_model, d_v) blocks O_i."""
+    def heads(self, p: Params, which: slice = slice(None)) -> Tensor:
+        """(heads, d_model, d_v) blocks O_i of the heads ``which``."""
         w = p[self.weight] if self.axis == 1 else p[self.weight].T  # (out, in)
-        return w[:, self.cols].permute(1, 0, 2)  # (heads, d_model, d_v)
+        cols = self.cols[which]  # (heads, d_v)
+        if _contiguous(cols):
+            return w[:, int(cols[0, 0]):int(cols[-1, -1]) + 1].reshape(w.shape[0], *cols.shape).permute(1, 0, 2)
+        return w[:, cols].permute(1, 0, 2)  # (heads, d_model, d_v)
 
 
 @dataclass(frozen=True)
@@ -163,6 +176,12 @@ def _groups(s: AttentionSpec, x: Tensor) -> Tensor:
     return x.reshape(s.kv_heads, s.heads // s.kv_heads, *x.shape[1:])
 
 
+def _qs(s: AttentionSpec, g: int) -> slice:
+    """The query heads of K/V group g."""
+    n = s.heads // s.kv_heads
+    return slice(g * n, (g + 1) * n)
+
+
 def _qk_laws(s: AttentionSpec) -> list[Law]:
     d, r = s.head_dim, s.rotary
     half = r // 2
@@ -173,8 +192,8 @@ def _qk_laws(s: AttentionSpec) -> list[Law]:
     for g in range(s.kv_heads):
         if r:
             def block_law(p: Params, g=g) -> Tensor:
-                qn = (_groups(s, s.q.heads(p, dims=rot))[g] ** 2).sum(-1).sum(0)  # (r,) Σ_i row norms
-                kn = (s.k.heads(p, dims=rot)[g] ** 2).sum(-1)  # (r,)
+                qn = (s.q.heads(p, dims=rot, which=_qs(s, g)) ** 2).sum(-1).sum(0)  # (r,) Σ_i row norms
+                kn = (s.k.heads(p, dims=rot, which=slice(g, g + 1))[0] ** 2).sum(-1)  # (r,)
                 h = kn - qn
                 return h[:half] + h[half:]  # pair j = dims (j, j + r/2)
 
@@ -184,8 +203,8 @@ def _qk_laws(s: AttentionSpec) -> list[Law]:
             n = d - r
 
             def matrix_law(p: Params, g=g) -> Tensor:
-                Q = _groups(s, s.q.heads(p, dims=free))[g]  # (H/G, n, d_in[+1])
-                K = s.k.heads(p, with_bias=False, dims=free)[g]  # (n, d_in)
+                Q = s.q.heads(p, dims=free, which=_qs(s, g))  # (H/G, n, d_in[+1])
+                K = s.k.heads(p, with_bias=False, dims=free, which=slice(g, g + 1))[0]  # (n, d_in)
                 return _upper((Q @ Q.transpose(-1, -2)).sum(0) - K @ K.T)
 
             where = "" if not r else f" on the {n} unrotated dims"
@@ -243,8 +262,8 @@ def _vo_laws(s: AttentionSpec) -> list[Law]:
     laws = []
     for g in range(s.kv_heads):
         def vo(p: Params, g=g) -> Tensor:
-            V = s.v.heads(p)[g]  # (d_v, d_in[+1])
-            O = _groups(s, s.o.heads(p))[g]  # (H/G, d_model, d_v)
+            V = s.v.heads(p, which=slice(g, g + 1))[0]  # (d_v, d_in[+1])
+            O = s.o.heads(p, which=_qs(s, g))  # (H/G, d_model, d_v)
             return _upper(V @ V.T - (O.transpose(-1, -2) @ O).sum(0))
 
         laws.append(_law("attn.vo", f"{s.block} group {g}: Ṽ_gṼ_gᵀ − Σ_i∈g O_iᵀO_i",
@@ -266,7 +285,8 @@ def attention_entry(s: AttentionSpec) -> CatalogueEntry:
     v_rows = slice(None) if s.kv_heads > 1 else slice(0, 1)
     what = "‖V_0‖²_F" if s.kv_heads > 1 else "‖V_0[0,:]‖²"
     v_ctl = _law("norm.W_V", f"{s.block}: {what}", f"{what} (not conserved)", 1, (s.v.weight,),
-                 lambda p: (s.v.heads(p, with_bias=False)[0, v_rows] ** 2).sum().reshape(1), "control")
+                 lambda p: (s.v.heads(p, with_bias=False, which=slice(0, 1))[0, v_rows] ** 2).sum().reshape(1),
+                 "control")
     notes = ()
     if s.qk_norm != "none" and s.norm_eps:
         notes = (f"{s.block}: QK RMSNorm eps = {s.norm_eps:g} — the scale laws ‖Q‖²_F, ‖K‖²_F hold only up to "
