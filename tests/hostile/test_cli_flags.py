@@ -94,6 +94,13 @@ def test_set_values_are_typed_from_the_config(setting, frag, cli, tmp_path):
     assert not out.exists(), "validate first, write last"
 
 
+@pytest.mark.parametrize("variants,frag", [(",", "empty"), ("NoRes,NoRes", "twice"), ("NoRes,Bogus", "Bogus")])
+def test_ablate_variant_lists_are_checked_before_training(variants, frag, cli, tmp_path):
+    rc, _, err = cli(["continuity", "ablate", "--variants", variants, "--out", tmp_path / "a"])
+    assert rc == 2 and frag in err
+    assert not (tmp_path / "a").exists()
+
+
 def test_set_null_is_accepted_for_optional_fields():
     from flowgeom.cli.continuity_train import _parse_sets
     from flowgeom.experiments.continuity_lm import LMRunConfig
@@ -113,6 +120,13 @@ def test_seed_overflow_from_seed_plus_seeds_is_refused_before_training(cli, tmp_
 def test_reproduce_jobs_zero_leaves_no_out_folder(cli, tmp_path):
     rc, _, err = cli(["reproduce", "laws", "--out", tmp_path / "r", "--jobs", "0"])
     assert rc == 2 and not (tmp_path / "r").exists()
+
+
+def test_reproduce_into_a_file_is_one_line(cli, tmp_path):
+    target = tmp_path / "file"
+    target.write_text("not a folder")
+    rc, _, err = cli(["reproduce", "laws", "--out", target])
+    assert rc == 2 and "not writable" in err and target.read_text() == "not a folder"
 
 
 def test_figure_naming_a_directory_is_refused_before_training(cli, tmp_path):

@@ -176,6 +176,10 @@ def ablate(args: argparse.Namespace) -> int:
         variants = tuple(VARIANTS)
     else:
         variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
+        twice = sorted({v for v in variants if variants.count(v) > 1})
+        if not variants or twice:
+            raise FlowgeomError(f"--variants {args.variants!r}: " + (f"{twice[0]!r} given twice" if twice else "empty")
+                                + "; give core, all or distinct names like NoRes,Res+ReLU")
     from flowgeom.experiments.continuity_mlp import MLPRunConfig
 
     opts = {**_overrides(args, ("steps", "lr", "optimizer", "log_every", "mnist_path")), "seed": args.seed,

@@ -112,6 +112,8 @@ def reproduce(claims: Sequence[Any], *, out: str | Path, scale: str = "quick", b
     out = Path(out)
     specs = plan(claims, scale=scale, out=out)
     check_out(out, specs, resume=resume)
+    if show_progress:  # only once --out is known to be usable: a refusal stays one line
+        print(f"reproducing {len(claims)} claims ({scale}) into {out}", file=sys.stderr)
     started = datetime.now(timezone.utc)
     t0 = time.perf_counter()
     from rich.markup import escape
@@ -203,8 +205,6 @@ def run_reproduce(args: argparse.Namespace, *, claims: Sequence[Any] | None = No
     line = " ".join(["flowgeom reproduce", args.area, f"--{scale}", "--out", str(out), "--backend", args.backend]
                     + (["--jobs", str(args.jobs)] if args.jobs != 1 else [])
                     + [f"--only {c}" for c in args.only or []])
-    if not args.json:
-        print(f"reproducing {len(claims)} claims ({scale}) into {out}", file=sys.stderr)
     report = reproduce(claims, out=out, scale=scale, backend=args.backend, jobs=args.jobs, resume=args.resume,
                        command_line=line, areas=areas, show_progress=not args.json)
     if args.json:
