@@ -1,0 +1,358 @@
+"""A Llama decoder in one file (nanoGPT style), with HF parameter names so weights copy key by key.
+
+Architecture (Llama / SmolLM2), pre-norm residual blocks::
+
+    h_0 = E[ids]                                         # (B, T, d)
+    a   = h + o_proj(Attn(RMSNorm(h)))                   # causal GQA, RoPE on q and k
+    h'  = a + down_proj(silu(gate_proj(x)) * up_proj(x)),  x = RMSNorm(a)
+    logits = lm_head(RMSNorm(h_L))                       # lm_head = E when embeddings are tied
+
+* RMSNorm: ``x / sqrt(mean(x^2) + eps) * w``, computed in float32 (as HF does) and cast back.
+* RoPE, HF "rotate_half" layout: with ``inv_freq_i = theta^(-2i/hd)`` and
+  ``emb = [freqs, freqs]``, ``q' = q cos + rotate_half(q) sin`` where
+  ``rotate_half([x1, x2]) = [-x2, x1]`` over the two halves of the head dim.
+  llama.cpp rotates interleaved pairs instead, which is why GGUF files store
+  the q/k rows permuted (undone in :func:`gguf_state_dict`).
+* GQA: ``n_kv`` key/value heads, each shared by ``n_heads / n_kv`` query heads.
+
+Parameter names (``(out, in)`` like ``nn.Linear``)::
+
+    model.embed_tokens.weight                     (vocab d)
+    model.layers.{l}.input_layernorm.weight       (d)
+    model.layers.{l}.self_attn.{q,k,v,o}_proj.weight   q/o: (H hd, d) / (d, H hd); k,v: (KV hd, d)
+    model.layers.{l}.post_attention_layernorm.weight   (d)
+    model.layers.{l}.mlp.{gate,up}_proj.weight    (m d); down_proj: (d m)
+    model.norm.weight                             (d)
+    lm_head.weight                                (vocab d), absent on disk when tied
+
+Loading: :func:`load_llama` takes a GGUF (``builtin:smollm2`` included) or an
+HF-layout folder (``config.json`` + safetensors, what ``continuity share``
+writes). The forward is checked against ``transformers.LlamaForCausalLM``
+(tests/continuity/test_share_evaluate.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flowgeom.errors import FlowgeomError
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int = 49152  # token ids
+    hidden_size: int = 576  # residual width d
+    intermediate_size: int = 1536  # SwiGLU hidden width m
+    num_hidden_layers: int = 30  # decoder blocks L
+    num_attention_heads: int = 9  # query heads H
+    num_key_value_heads: int = 3  # key/value heads KV (GQA), divides H
+    head_dim: int = 64  # per-head width hd (H hd need not equal d)
+    rms_norm_eps: float = 1e-5  # RMSNorm epsilon
+    rope_theta: float = 100000.0  # RoPE base
+    max_position_embeddings: int = 8192  # longest context the model was trained for
+    tie_word_embeddings: bool = True  # lm_head shares the embedding matrix
+
+    def __post_init__(self):
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type == "int" and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise FlowgeomError(f"Llama config {f.name} must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise FlowgeomError(f"Llama config: {self.num_attention_heads} query heads are not a multiple of "
+                                f"{self.num_key_value_heads} key/value heads; fix config.json")
+        if self.head_dim % 2:
+            raise FlowgeomError(f"Llama config head_dim {self.head_dim} must be even for RoPE")
+        if not (self.rms_norm_eps > 0 and self.rope_theta > 0):
+            raise FlowgeomError(f"Llama config needs rms_norm_eps > 0 and rope_theta > 0, got {self.rms_norm_eps}, "
+                                f"{self.rope_theta}")
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> LlamaConfig:
+        """From an HF ``config.json`` dict (model_type llama; unknown keys ignored, rope scaling refused)."""
+        if cfg.get("model_type", "llama") != "llama":
+            raise FlowgeomError(f"config.json says model_type {cfg.get('model_type')!r}; only llama is supported")
+        scaling = cfg.get("rope_scaling") or (cfg.get("rope_parameters") or {})
+        if scaling.get("rope_type", scaling.get("type", "default")) not in ("default", None):
+            raise FlowgeomError(f"rope scaling {scaling} is not supported; only plain RoPE")
+        theta = cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+        if cfg.get("attention_bias") or cfg.get("mlp_bias"):
+            raise FlowgeomError("config.json asks for attention/MLP biases; this Llama forward has none")
+        known = {f.name for f in fields(cls)}
+        kwargs = {k: v for k, v in cfg.items() if k in known and v is not None}
+        kwargs["rope_theta"] = float(theta)
+        kwargs.setdefault("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+        kwargs.setdefault("num_key_value_heads", cfg["num_attention_heads"])
+        try:
+            return cls(**kwargs)
+        except TypeError as exc:
+            raise FlowgeomError(f"config.json is missing Llama fields ({exc}); re-export it") from None
+
+    def to_hf(self) -> dict:
+        """An HF ``config.json`` dict that ``transformers.LlamaConfig`` reads back as this model."""
+        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **asdict(self), "hidden_act": "silu",
+                "attention_bias": False, "mlp_bias": False, "rope_scaling": None, "torch_dtype": "float32",
+                "bos_token_id": 1, "eos_token_id": 2}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_tables(cfg: LlamaConfig, T: int, *, dtype: torch.dtype, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos, sin`` of shape (T, hd): angles ``t theta^(-2i/hd)``, duplicated over the two halves.
+
+    Angles are computed in float32 whatever ``dtype`` is, exactly as HF Llama
+    does (the model was trained with those tables; a float64 table moves
+    float64 logits by ~1e-7).
+    """
+    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32, device=device)
+                                        / cfg.head_dim)  # (hd/2,)
+    freqs = torch.arange(T, dtype=torch.float32, device=device)[:, None] * inv_freq  # (T, hd/2)
+    emb = torch.cat([freqs, freqs], dim=-1)  # (T, hd)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.cfg = cfg
+        H, KV, hd, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
+        self.q_proj = nn.Linear(d, H * hd, bias=False)
+        self.k_proj = nn.Linear(d, KV * hd, bias=False)
+        self.v_proj = nn.Linear(d, KV * hd, bias=False)
+        self.o_proj = nn.Linear(H * hd, d, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        H, KV, hd = self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim
+        q = self.q_proj(x).view(B, T, H, hd).transpose(1, 2)  # (B, H, T, hd)
+        k = self.k_proj(x).view(B, T, KV, hd).transpose(1, 2)  # (B, KV, T, hd)
+        v = self.v_proj(x).view(B, T, KV, hd).transpose(1, 2)  # (B, KV, T, hd)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        k = k.repeat_interleave(H // KV, dim=1)  # (B, H, T, hd): query head h reads kv head h // (H/KV)
+        v = v.repeat_interleave(H // KV, dim=1)  # (B, H, T, hd)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0 / math.sqrt(hd))  # (B, H, T, hd)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, H * hd))  # (B, T, d)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        d, m = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(d, m, bias=False)
+        self.up_proj = nn.Linear(d, m, bias=False)
+        self.down_proj = nn.Linear(m, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # (B, T, d)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """``forward(ids (B, T)) -> logits (B, T, vocab)``."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        T = ids.shape[1]
+        if T > self.config.max_position_embeddings:
+            raise FlowgeomError(f"a context of {T} tokens exceeds the model's {self.config.max_position_embeddings} "
+                                "positions; use a shorter --context")
+        h = self.model.embed_tokens(ids)  # (B, T, d)
+        cos, sin = rope_tables(self.config, T, dtype=h.dtype, device=h.device)  # (T, hd) each
+        for layer in self.model.layers:
+            h = layer(h, cos, sin)
+        return self.lm_head(self.model.norm(h))  # (B, T, vocab)
+
+    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy an HF-named state dict key by key (``lm_head.weight`` optional when tied); strict otherwise."""
+        own = self.state_dict()
+        expected = set(own) - ({"lm_head.weight"} if self.config.tie_word_embeddings else set())
+        missing, unexpected = sorted(expected - set(state)), sorted(set(state) - set(own))
+        if missing or unexpected:
+            raise FlowgeomError(f"Llama weights do not match the config: missing {missing[:5]}, unexpected "
+                                f"{unexpected[:5]}; the checkpoint is not a {self.config.num_hidden_layers}-layer "
+                                "Llama of this shape")
+        for name, tensor in state.items():
+            if tuple(tensor.shape) != tuple(own[name].shape):
+                raise FlowgeomError(f"tensor {name} has shape {list(tensor.shape)}, the config implies "
+                                    f"{list(own[name].shape)}; fix config.json or the checkpoint")
+        with torch.no_grad():
+            for name, tensor in state.items():
+                own[name].copy_(tensor)
+
+
+# ---------------------------------------------------------------- GGUF -> HF names and layout
+
+GGUF_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def unpermute_rope_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation (``transformers``' ``_reverse_permute_weights``).
+
+    llama.cpp's converter stores rows of head h in the order ``(hd/2, 2)``
+    (pairs interleaved) where HF has ``(2, hd/2)`` (halves); reading as
+    ``(n_head, hd/2, 2, in)`` and swapping the middle axes restores HF's rows.
+    """
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)  # (rows, in)
+
+
+def gguf_config(meta: dict, tensors) -> LlamaConfig:
+    """The :class:`LlamaConfig` a llama-architecture GGUF's metadata describes."""
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise FlowgeomError(f"GGUF architecture {arch!r} is not supported; only llama (SmolLM2, Llama, Mistral)")
+    try:
+        d, H = int(meta["llama.embedding_length"]), int(meta["llama.attention.head_count"])
+        return LlamaConfig(
+            vocab_size=int(meta.get("llama.vocab_size", len(meta.get("tokenizer.ggml.tokens", ())))),
+            hidden_size=d, intermediate_size=int(meta["llama.feed_forward_length"]),
+            num_hidden_layers=int(meta["llama.block_count"]), num_attention_heads=H,
+            num_key_value_heads=int(meta.get("llama.attention.head_count_kv", H)),
+            head_dim=int(meta.get("llama.rope.dimension_count", d // H)),
+            rms_norm_eps=float(meta["llama.attention.layer_norm_rms_epsilon"]),
+            rope_theta=float(meta.get("llama.rope.freq_base", 10000.0)),
+            max_position_embeddings=int(meta.get("llama.context_length", 2048)),
+            tie_word_embeddings="output.weight" not in tensors,
+        )
+    except KeyError as exc:
+        raise FlowgeomError(f"GGUF metadata lacks {exc}; the file is not a complete llama GGUF") from None
+
+
+def gguf_state_dict(path: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+    """``(config, HF-named float32 state dict)`` of a llama GGUF: dequantised, q/k rows unpermuted."""
+    from flowgeom.nn.gguf_read import GGUFFile
+
+    g = GGUFFile(path)
+    cfg = gguf_config(g.metadata, g.tensors)
+    state = {}
+    for name in g.tensors:
+        parts = name.split(".")
+        if name == "token_embd.weight":
+            key = "model.embed_tokens.weight"
+        elif name == "output_norm.weight":
+            key = "model.norm.weight"
+        elif name == "output.weight":
+            key = "lm_head.weight"
+        elif len(parts) == 4 and parts[0] == "blk" and parts[2] in GGUF_NAMES:
+            key = f"model.layers.{int(parts[1])}.{GGUF_NAMES[parts[2]]}.weight"
+        elif name.startswith("rope_freqs"):
+            raise FlowgeomError(f"{path} holds {name} (scaled RoPE); only plain RoPE is supported")
+        else:
+            raise FlowgeomError(f"{path}: unexpected tensor {name!r} for a llama GGUF")
+        w = g.load(name)
+        if parts[-2:-1] == ["attn_q"]:
+            w = unpermute_rope_rows(w, cfg.num_attention_heads)
+        elif parts[-2:-1] == ["attn_k"]:
+            w = unpermute_rope_rows(w, cfg.num_key_value_heads)
+        state[key] = w
+    return cfg, state
+
+
+def hf_state_dict(folder: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+    """``(config, state dict)`` of an HF-layout folder: ``config.json`` + safetensors (validated by flowgeom)."""
+    from flowgeom.continuity.sources import open_source
+
+    folder = Path(folder)
+    try:
+        cfg = LlamaConfig.from_hf(json.loads((folder / "config.json").read_text()))
+    except (OSError, ValueError) as exc:
+        raise FlowgeomError(f"{folder} has no readable config.json ({type(exc).__name__}); an HF Llama folder "
+                            "needs config.json next to its safetensors") from None
+    src = open_source(folder)
+    return cfg, {name: src.load(name).float() for name in src.shapes}
+
+
+def is_gguf(spec: str | Path) -> bool:
+    return str(spec).startswith("builtin:") or str(spec).endswith(".gguf")
+
+
+def llama_state_dict(spec: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+    """``(config, state dict)`` from a GGUF file, ``builtin:smollm2`` or an HF-layout folder."""
+    if str(spec).startswith("builtin:"):
+        from flowgeom.continuity.sources import builtin_path
+
+        spec = builtin_path(str(spec))
+    path = Path(spec)
+    if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if (path / "config.json").exists() or not ggufs:
+            return hf_state_dict(path)
+        if len(ggufs) > 1:
+            raise FlowgeomError(f"folder {path} holds {len(ggufs)} .gguf files; pass the one you mean")
+        path = ggufs[0]
+    if path.suffix == ".gguf" and path.is_file():
+        return gguf_state_dict(path)
+    raise FlowgeomError(f"{spec} is neither a .gguf file, builtin:smollm2, nor a folder with config.json and "
+                        "safetensors; pass one of those")
+
+
+def load_llama(spec: str | Path, *, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+    """A :class:`LlamaForCausalLM` in eval mode with the weights of ``spec`` (see :func:`llama_state_dict`)."""
+    cfg, state = llama_state_dict(spec)
+    return llama_from_state(cfg, state, dtype=dtype)
+
+
+def llama_from_state(cfg: LlamaConfig, state: dict[str, torch.Tensor], *,
+                     dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+    """A model built on the meta device (no random init: ~3 s saved on SmolLM2) and filled from ``state``."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    model = model.to_empty(device="cpu")
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.load_hf_state_dict(state)
+    return model.to(dtype).eval()
