@@ -196,3 +196,4 @@ def register(sub) -> None:
     from flowgeom.cli.continuity_train import register_verbs as add_training_verbs
 
     add_training_verbs(verbs)  # train / ablate / plot: gradient-coherence dynamics (continuity/dynamics.py)
+    __import__("flowgeom.cli.continuity_share", fromlist=["register_verbs"]).register_verbs(verbs)  # share / evaluate
