@@ -7,7 +7,9 @@ Prints two ratios (target: full training step ≤ 1.2× SGD's):
   number per weight; on a CPU that costs ~50× an axpy, so this ratio is
   bounded below by the RNG, not by our code (on a GPU ``randn`` is memory-bound).
 
-Also reports foreach vs the per-parameter loop. Usage::
+Also reports foreach vs the per-parameter loop, and the pure functional core
+(``build``/``update`` with ``inplace=True``: it rebuilds the generator from
+the state each step). Usage::
 
     .venv/bin/python benchmarks/langevin_step.py [--threads 1] [--repeats 7] [--device cpu]
 """
@@ -20,7 +22,7 @@ import time
 import torch
 from torch import nn
 
-from flowgeom.langevin import Langevin
+from flowgeom.langevin import Langevin, build
 
 
 def make_model(width: int, depth: int, seed: int) -> nn.Module:
@@ -29,6 +31,23 @@ def make_model(width: int, depth: int, seed: int) -> nn.Module:
     for _ in range(depth):
         layers += [nn.Linear(width, width), nn.GELU()]
     return nn.Sequential(*layers, nn.Linear(width, 1))
+
+
+class _CoreOptimizer:
+    """The functional core driven like an optimiser: ``params, state = update(state, params, grads, inplace=True)``."""
+
+    def __init__(self, params: dict[str, torch.Tensor], dev: torch.device):
+        self.params = params
+        self.core = build(lr=1e-3, temperature=1e-4)
+        self.state = self.core.init(params, generator=torch.Generator(device=dev).manual_seed(0))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params.values():
+            p.grad = None
+
+    def step(self) -> None:
+        grads = {n: p.grad for n, p in self.params.items()}
+        _, self.state = self.core.update(self.state, self.params, grads, inplace=True)
 
 
 def timed(fn, n: int) -> float:
@@ -60,6 +79,8 @@ def main() -> None:
         params = list(model.parameters())
         if kind == "sgd":
             opt = torch.optim.SGD(params, lr=1e-3, foreach=True)
+        elif kind == "core":
+            opt = _CoreOptimizer(dict(model.named_parameters()), dev)
         else:
             gen = torch.Generator(device=dev).manual_seed(0)
             opt = Langevin(params, lr=1e-3, temperature=1e-4, generator=gen, foreach=(kind == "langevin"))
@@ -78,7 +99,7 @@ def main() -> None:
 
         return step_only, train_step
 
-    kinds = ("sgd", "langevin", "langevin_loop")
+    kinds = ("sgd", "langevin", "langevin_loop", "core")
     fns = {k: setup(k) for k in kinds}
     best = {(k, w): float("inf") for k in kinds for w in (0, 1)}
     for _ in range(args.repeats):  # interleave so machine load hits every variant alike
@@ -92,7 +113,8 @@ def main() -> None:
         sgd = best[("sgd", w)]
         print(f"{name:28s} SGD {sgd * 1e3:8.3f} ms | Langevin {best[('langevin', w)] * 1e3:8.3f} ms "
               f"ratio {best[('langevin', w)] / sgd:5.2f} | Langevin loop {best[('langevin_loop', w)] * 1e3:8.3f} ms "
-              f"ratio {best[('langevin_loop', w)] / sgd:5.2f}")
+              f"ratio {best[('langevin_loop', w)] / sgd:5.2f} | core {best[('core', w)] * 1e3:8.3f} ms "
+              f"ratio {best[('core', w)] / sgd:5.2f}")
 
 
 if __name__ == "__main__":

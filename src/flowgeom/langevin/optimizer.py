@@ -1,15 +1,18 @@
 """The Langevin optimiser: Euler–Maruyama steps of an overdamped Langevin SDE.
 
-Convention (seed ``004_…``, the paper's Eq. for ``T_t``)::
+Convention (seed ``004_…``, the paper's SDE for the trainable parameters
+``T_t``, e.g. ``(W_Q, W_K)`` or the LoRA factors ``(U, V)``)::
 
     dθ_t = −∇V(θ_t) dt + √s dB_t                                   (SDE)
     θ_{k+1} = θ_k − η ∇V(θ_k) + √(η s) ξ_k,   ξ_k ~ N(0, I)          (this optimiser)
 
-with step size ``η = lr`` and temperature ``s = temperature``. The SDE's
-stationary (Gibbs) density is ``p(θ) ∝ exp(−2 V(θ) / s)``: the generator
-``L f = −∇V·∇f + (s/2) Δf`` has ``L* p = 0`` for that ``p``. The Euler scheme
-adds an ``O(η)`` bias (for ``V = a θ²/2`` the chain's variance is
-``s / (a (2 − a η))`` instead of ``s / (2a)``).
+with step size ``η = lr`` and temperature ``s = temperature``. ``V`` is the
+regularised loss ``Ṽ = L + R`` of the paper; ``R`` may be added to the loss
+or applied to the gradient as a transform (:mod:`flowgeom.langevin.regularizers`).
+The SDE's stationary (Gibbs) density is ``p(θ) ∝ exp(−2 V(θ) / s)``: the
+generator ``L f = −∇V·∇f + (s/2) Δf`` has ``L* p = 0`` for that ``p``. The
+Euler scheme adds an ``O(η)`` bias (for ``V = a θ²/2`` the chain's variance
+is ``s / (a (2 − a η))`` instead of ``s / (2a)``).
 
 Mapping to other SGLD conventions:
 
@@ -20,29 +23,46 @@ Mapping to other SGLD conventions:
   ``p^{1/T}``: set ``V = −log p`` and ``s = 2 T``.
 * "temperature τ" samplers of ``exp(−V/τ)``: ``s = 2 τ``.
 
+Pure core (in the manner of posteriors' ``sgmcmc/sgld.py`` and optax)::
+
+    transform = build(lr=1e-2, temperature=1e-4, grad_transform=reg)   # hyper-parameters, once
+    state = transform.init(params, seed=0)         # LangevinState(step=0, rng=<generator state>)
+    params, state = transform.update(state, params, grads)   # one step, new dict, new state
+
+``params`` and ``grads`` are dicts ``name -> tensor``; ``update`` never
+touches its inputs (``inplace=True`` writes into ``params`` instead). The
+state is the step count ``k`` and the noise generator's state (a uint8
+tensor, :meth:`torch.Generator.get_state`), so the same state gives the same
+step. :class:`Langevin` is a thin :class:`torch.optim.Optimizer` over the
+same step kernel (:func:`langevin_step`) with a live generator; the two give
+identical parameters bit for bit (tested).
+
 Schedules: ``lr`` and ``temperature`` may be numbers or callables of the
-step index ``k`` (0 for the first step). A number ``lr`` lives in
-``param_group["lr"]``, so any ``torch.optim.lr_scheduler`` drives it.
+step index ``k`` (0 for the first step). In :class:`Langevin` a number
+``lr`` lives in ``param_group["lr"]``, so any ``torch.optim.lr_scheduler``
+drives it.
 
 Randomness: the noise comes from ``generator`` (a ``torch.Generator``) or a
 fresh one seeded with ``seed``; never from the global RNG. The generator's
 state is part of ``state_dict()`` so a resumed run draws the same noise.
 
-Implementation: per parameter group, one flat ``N(0, I)`` draw is split over
-the parameters, then ``torch._foreach_add_`` applies the drift and the noise
-(``foreach=True``, default); ``foreach=False`` does the same per parameter
-with identical arithmetic (tested equal bit for bit).
+Implementation: per (device, dtype) bucket of a parameter group, one flat
+``N(0, I)`` draw is split over the parameters (in order), then
+``torch._foreach_add_`` applies the drift and the noise (``foreach=True``,
+default); ``foreach=False`` does the same per parameter with identical
+arithmetic (tested equal bit for bit).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, NamedTuple
 
 import torch
 
 from flowgeom.errors import FlowgeomError
+from flowgeom.langevin.regularizers import GradTransform
 
 Schedule = float | Callable[[int], float]
 _SCHEDULED = ("lr", "temperature")
@@ -68,12 +88,159 @@ def check_hyper(lr: Schedule, temperature: Schedule) -> None:
         _value(temperature, 0, "temperature")
 
 
+# -- the step kernel (shared by the functional core and the torch.optim wrapper) ---------------
+def _noise(params: list[torch.Tensor], generator: torch.Generator) -> list[torch.Tensor]:
+    """One flat N(0, I) draw split into tensors shaped like ``params``."""
+    flat = torch.randn(sum(p.numel() for p in params), generator=generator, device=generator.device,
+                       dtype=params[0].dtype)  # (sum numel,)
+    pieces = flat.to(params[0].device).split([p.numel() for p in params])
+    return [piece.view_as(p) for piece, p in zip(pieces, params)]
+
+
+@torch.no_grad()
+def langevin_step(params: list[torch.Tensor], grads: list[torch.Tensor], *, lr: float, temperature: float,
+                  generator: torch.Generator, inplace: bool, foreach: bool = True) -> list[torch.Tensor]:
+    """``θ − η g + √(η s) ξ`` for each ``(θ, g)``; ``ξ`` drawn from ``generator`` (advanced).
+
+    One flat draw per (device, dtype) bucket, buckets in order of first
+    appearance. ``inplace=True`` writes into ``params`` and returns them;
+    otherwise new tensors are returned and ``params`` is left as it was. Both
+    run the same kernels in the same order, so they agree bit for bit.
+    """
+    sigma = math.sqrt(lr * temperature)
+    out: list[torch.Tensor | None] = [None] * len(params)
+    buckets: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, p in enumerate(params):
+        buckets.setdefault((p.device, p.dtype), []).append(i)
+    for idx in buckets.values():
+        ps = [params[i] for i in idx]
+        gs = [grads[i] for i in idx]
+        noise = _noise(ps, generator) if sigma > 0 else None
+        if foreach:
+            if inplace:
+                torch._foreach_add_(ps, gs, alpha=-lr)
+                new = ps
+            else:
+                new = list(torch._foreach_add(ps, gs, alpha=-lr))
+            if noise is not None:
+                torch._foreach_add_(new, noise, alpha=sigma)
+        else:
+            new = []
+            for j, p in enumerate(ps):
+                q = p.add_(gs[j], alpha=-lr) if inplace else p.add(gs[j], alpha=-lr)
+                if noise is not None:
+                    q.add_(noise[j], alpha=sigma)
+                new.append(q)
+        for i, q in zip(idx, new):
+            out[i] = q
+    return out  # type: ignore[return-value]
+
+
+def check_finite(params: list[torch.Tensor], step: int, lr: float, temperature: float, *,
+                 foreach: bool = True) -> None:
+    """Raise :class:`FlowgeomError` naming ``step`` when a parameter is NaN or infinite."""
+    if not params:
+        return
+    norms = torch._foreach_norm(params) if foreach else [p.norm() for p in params]
+    if not bool(torch.isfinite(torch.stack(norms)).all()):
+        raise FlowgeomError(
+            f"Langevin chain blew up at step {step}: a parameter became non-finite "
+            f"(lr={lr:g}, temperature={temperature:g}); lower lr or temperature, "
+            "or add a confining regulariser"
+        )
+
+
+# -- the pure core: build / init / update --------------------------------------------------------
+class LangevinState(NamedTuple):
+    """What a Langevin chain carries between steps besides its parameters.
+
+    ``step``: the index ``k`` of the next step (schedules are called with it);
+    ``rng``: the noise generator's state (``torch.Generator.get_state()``, uint8);
+    ``device``: the generator's device (``"cpu"``, ``"cuda:0"``).
+    """
+
+    step: int
+    rng: torch.Tensor
+    device: str
+
+
+def init(params: Mapping[str, torch.Tensor], *, seed: int = 0,
+         generator: torch.Generator | None = None) -> LangevinState:
+    """State at step 0: a generator seeded with ``seed`` on the first parameter's device (or ``generator``'s state)."""
+    if generator is None:
+        first = next(iter(params.values()), None)
+        if first is None:
+            raise FlowgeomError("Langevin init got no parameters; pass a non-empty dict name -> tensor")
+        generator = torch.Generator(device=first.device)
+        generator.manual_seed(int(seed))
+    return LangevinState(0, generator.get_state(), str(generator.device))
+
+
+def _generator(state: LangevinState) -> torch.Generator:
+    gen = torch.Generator(device=state.device)
+    gen.set_state(state.rng)
+    return gen
+
+
+def update(state: LangevinState, params: Mapping[str, torch.Tensor], grads: Mapping[str, torch.Tensor], *,
+           lr: Schedule, temperature: Schedule, grad_transform: GradTransform | None = None,
+           inplace: bool = False, foreach: bool = True,
+           check: bool = True) -> tuple[dict[str, torch.Tensor], LangevinState]:
+    """One step ``θ_{k+1} = θ_k − η_k g_k + √(η_k s_k) ξ_k`` over the names of ``params`` with a gradient.
+
+    ``g = grad_transform(grads, params)`` when given (e.g. ``+ ∇R``), else
+    ``grads``. A name missing from ``grads`` (or mapped to ``None``) is
+    carried over unchanged. Returns the new parameters (a new dict; the
+    input tensors are untouched unless ``inplace``) and the new state.
+    ``check`` raises :class:`FlowgeomError` on a non-finite result.
+    """
+    k = state.step
+    eta, s = _value(lr, k, "lr"), _value(temperature, k, "temperature")
+    if grad_transform is not None:
+        grads = grad_transform(grads, params)
+    names = [n for n in params if grads.get(n) is not None]
+    gen = _generator(state)
+    stepped = langevin_step([params[n] for n in names], [grads[n] for n in names], lr=eta, temperature=s,
+                            generator=gen, inplace=inplace, foreach=foreach)
+    if check:
+        check_finite(stepped, k, eta, s, foreach=foreach)
+    new = dict(params)
+    new.update(zip(names, stepped))
+    return new, LangevinState(k + 1, gen.get_state(), state.device)
+
+
+class LangevinTransform(NamedTuple):
+    """``init`` and ``update`` with the hyper-parameters bound (what :func:`build` returns)."""
+
+    init: Callable[..., LangevinState]
+    update: Callable[..., tuple[dict[str, torch.Tensor], LangevinState]]
+
+
+def build(*, lr: Schedule, temperature: Schedule, grad_transform: GradTransform | None = None,
+          foreach: bool = True, check: bool = True) -> LangevinTransform:
+    """Bind the hyper-parameters: ``init(params, *, seed=0, generator=None)`` and ``update(state, params, grads, *, inplace=False)``."""
+    check_hyper(lr, temperature)
+
+    def bound_update(state: LangevinState, params: Mapping[str, torch.Tensor], grads: Mapping[str, torch.Tensor],
+                     *, inplace: bool = False) -> tuple[dict[str, torch.Tensor], LangevinState]:
+        return update(state, params, grads, lr=lr, temperature=temperature, grad_transform=grad_transform,
+                      inplace=inplace, foreach=foreach, check=check)
+
+    return LangevinTransform(init, bound_update)
+
+
+# -- the torch.optim wrapper ------------------------------------------------------------------
 class Langevin(torch.optim.Optimizer):
     """Overdamped Langevin (SGLD) optimiser; see the module docstring for the maths.
 
+    A thin :class:`torch.optim.Optimizer` over :func:`langevin_step`: it
+    reads ``p.grad``, applies ``grad_transform``, and steps in place with its
+    own generator. Same seed, same gradients: same parameters as the
+    functional :func:`update` (bit for bit).
+
     Args:
-        params: parameters or parameter groups (groups may override ``lr`` and
-            ``temperature``).
+        params: parameters, ``named_parameters()`` pairs, or parameter groups
+            (groups may override ``lr`` and ``temperature``).
         lr: step size ``η > 0`` (number or callable of the step).
         temperature: ``s >= 0`` (number or callable); ``s = 0`` is plain GD.
         generator: the noise source; if absent, ``torch.Generator`` seeded
@@ -84,11 +251,15 @@ class Langevin(torch.optim.Optimizer):
             non-finite parameter (a blown-up chain), naming the step.
         check_every: run that check every ``check_every`` steps (it reads a
             value back from the device: on a GPU it costs a synchronisation).
+        grad_transform: ``(grads, params) -> grads`` over dicts keyed by the
+            parameter names of each group (given as ``named_parameters()``)
+            or, without names, by the position in the group (``"0"``, ``"1"``, …);
+            e.g. ``Regularizer("log").transform()`` adds ``∇R``.
     """
 
     def __init__(self, params: Iterable[Any], lr: Schedule, temperature: Schedule, *,
                  generator: torch.Generator | None = None, seed: int = 0, foreach: bool = True,
-                 check_finite: bool = True, check_every: int = 1):
+                 check_finite: bool = True, check_every: int = 1, grad_transform: GradTransform | None = None):
         check_hyper(lr, temperature)
         defaults = {"lr": lr, "temperature": temperature}
         super().__init__(params, defaults)
@@ -97,6 +268,7 @@ class Langevin(torch.optim.Optimizer):
         if int(check_every) < 1:
             raise FlowgeomError(f"check_every must be >= 1, got {check_every}")
         self.check_every = int(check_every)
+        self.grad_transform = grad_transform
         self.step_count = 0
         if generator is None:
             device = self.param_groups[0]["params"][0].device
@@ -141,14 +313,19 @@ class Langevin(torch.optim.Optimizer):
             self.step_count = int(extra["step_count"])
             self.generator.set_state(extra["generator"])
 
+    def functional_state(self) -> LangevinState:
+        """This optimiser's :class:`LangevinState` (step count and a copy of the generator state)."""
+        return LangevinState(self.step_count, self.generator.get_state(), str(self.generator.device))
+
     # -- the update ---------------------------------------------------------------------------
-    def _noise(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
-        """One flat N(0, I) draw split into tensors shaped like ``params``."""
-        total = sum(p.numel() for p in params)
-        flat = torch.randn(total, generator=self.generator, device=self.generator.device,
-                           dtype=params[0].dtype)  # (sum numel,)
-        pieces = flat.to(params[0].device).split([p.numel() for p in params])
-        return [piece.view_as(p) for piece, p in zip(pieces, params)]
+    def _grads(self, group: dict[str, Any], params: list[torch.Tensor]) -> list[torch.Tensor]:
+        grads = [p.grad for p in params]
+        if self.grad_transform is None:
+            return grads
+        all_names = group.get("param_names") or [str(i) for i in range(len(group["params"]))]
+        names = [n for n, p in zip(all_names, group["params"]) if p.grad is not None]
+        out = self.grad_transform(dict(zip(names, grads)), dict(zip(names, params)))
+        return [out[n] for n in names]
 
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
@@ -164,37 +341,12 @@ class Langevin(torch.optim.Optimizer):
                 continue
             lr = _value(group["lr"], k, "lr")
             temperature = _value(group["temperature"], k, "temperature")
-            sigma = math.sqrt(lr * temperature)
-            grads = [p.grad for p in params]
-            buckets: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-            for i, p in enumerate(params):  # one flat noise draw per (device, dtype)
-                buckets.setdefault((p.device, p.dtype), []).append(i)
-            for idx in buckets.values():
-                ps = [params[i] for i in idx]
-                gs = [grads[i] for i in idx]
-                noise = self._noise(ps) if sigma > 0 else None
-                if self.foreach:
-                    torch._foreach_add_(ps, gs, alpha=-lr)
-                    if noise is not None:
-                        torch._foreach_add_(ps, noise, alpha=sigma)
-                else:
-                    for j, p in enumerate(ps):
-                        p.add_(gs[j], alpha=-lr)
-                        if noise is not None:
-                            p.add_(noise[j], alpha=sigma)
+            langevin_step(params, self._grads(group, params), lr=lr, temperature=temperature,
+                          generator=self.generator, inplace=True, foreach=self.foreach)
             if self.check_finite and k % self.check_every == 0:
-                self._check(params, k, lr, temperature)
+                check_finite(params, k, lr, temperature, foreach=self.foreach)
         self.step_count += 1
         return loss
-
-    def _check(self, params: list[torch.Tensor], k: int, lr: float, temperature: float) -> None:
-        norms = torch._foreach_norm(params) if self.foreach else [p.norm() for p in params]
-        if not bool(torch.isfinite(torch.stack(norms)).all()):
-            raise FlowgeomError(
-                f"Langevin chain blew up at step {k}: a parameter became non-finite "
-                f"(lr={lr:g}, temperature={temperature:g}); lower lr or temperature, "
-                "or add a confining regulariser"
-            )
 
 
 def check_loss(loss: torch.Tensor | float, step: int) -> None:

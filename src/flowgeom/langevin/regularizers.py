@@ -21,13 +21,21 @@ Parameters are picked by name: an explicit list, a regular expression
 (``q_proj``/``k_proj`` weights, our attention layout) and ``"lora"`` (HF
 PEFT names ``…lora_A….weight`` / ``…lora_B….weight``; PEFT itself is never
 imported).
+
+Gradient transforms: :meth:`Regularizer.transform` is the pure map
+``g ↦ g + ∇R(θ)`` over dicts ``name -> tensor`` (``(grads, params) -> grads``),
+and :func:`chain` composes such maps left to right, so ``Ṽ = L + R₁ + R₂``
+is ``chain(R₁.transform(names), R₂.transform(names))`` applied to ``∇L``.
+They plug into the Langevin core (``build(..., grad_transform=…)``) and the
+:class:`~flowgeom.langevin.Langevin` optimiser (``grad_transform=``), and give
+the same numbers as :meth:`Regularizer.add_grad_` (same additions).
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +44,7 @@ from torch import nn
 from flowgeom.errors import FlowgeomError, choice_error
 
 KINDS = ("none", "log", "power", "frobenius")
+GradTransform = Callable[[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]], dict[str, torch.Tensor]]
 PRESETS = {
     "qk": r"(^|\.)(q_proj|k_proj)\.weight$",
     "lora": r"(^|\.)lora_[AB](\.[^.]+)?\.weight$",
@@ -122,6 +131,41 @@ class Regularizer:
                 w.grad = g
             else:
                 w.grad.add_(g)
+
+    def transform(self, names: Iterable[str] | None = None) -> GradTransform:
+        """The gradient transform ``g_n ↦ g_n + ∇R(θ_n)`` for ``n`` in ``names`` (all of ``params`` if ``None``).
+
+        Pure: returns a new dict; a selected name without a gradient gets
+        ``∇R`` alone (as :meth:`add_grad_` does); an unknown name is an error.
+        """
+        chosen = None if names is None else tuple(names)
+
+        def apply(grads: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            out = dict(grads)
+            if self.kind == "none":
+                return out
+            targets = params if chosen is None else chosen
+            for n in targets:
+                if n not in params:
+                    raise FlowgeomError(f"regulariser names parameter {n!r}, which is not being trained; "
+                                        f"trained: {', '.join(params) or '(none)'}")
+                g = self.grad(params[n])
+                out[n] = g if out.get(n) is None else out[n] + g
+            return out
+
+        return apply
+
+
+def chain(*transforms: GradTransform) -> GradTransform:
+    """Compose gradient transforms left to right: ``chain(f, g)(grads, params) = g(f(grads, params), params)``."""
+
+    def apply(grads: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = dict(grads)
+        for t in transforms:
+            out = t(out, params)
+        return out
+
+    return apply
 
 
 def select(module: nn.Module, *, names: Sequence[str] | None = None, pattern: str | None = None,
