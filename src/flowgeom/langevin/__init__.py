@@ -1,6 +1,7 @@
 """Convergent Langevin training of attention and LoRA (seed ``004_…``).
 
-Public API: the :class:`Langevin` optimiser, the :class:`Regularizer`
+Public API: the :class:`Langevin` optimiser over the pure core
+(:func:`build` / :func:`init` / :func:`update`), the :class:`Regularizer`
 (log / power / frobenius) with :func:`select`, the paper's losses and their
 symmetry orbits, and the Villani :func:`probe`.
 """
@@ -17,12 +18,13 @@ from flowgeom.langevin.losses import (
     norm_objective,
     objective,
 )
-from flowgeom.langevin.optimizer import Langevin, check_loss
-from flowgeom.langevin.regularizers import KINDS, PRESETS, Regularizer, select
+from flowgeom.langevin.optimizer import Langevin, LangevinState, LangevinTransform, build, check_loss, init, update
+from flowgeom.langevin.regularizers import KINDS, PRESETS, Regularizer, chain, select
 from flowgeom.langevin.villani import VillaniReport, derivatives, orbit_integral, plot, probe
 
 __all__ = [
-    "KINDS", "LOSSES", "PRESETS", "Langevin", "Objective", "Regularizer", "VillaniReport", "attention_loss",
+    "KINDS", "LOSSES", "PRESETS", "Langevin", "LangevinState", "LangevinTransform", "build", "chain", "init",
+    "update", "Objective", "Regularizer", "VillaniReport", "attention_loss",
     "attention_objective", "attention_orbit", "check_loss", "derivatives", "lora_loss", "lora_objective",
     "lora_orbit", "norm_objective", "objective", "orbit_integral", "plot", "probe", "select",
 ]
