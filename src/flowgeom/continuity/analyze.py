@@ -31,7 +31,8 @@ from flowgeom.continuity.metrics import gram_fro, gram_numerator, pair_metrics
 from flowgeom.continuity.layouts import NamingHints, hints_for
 from flowgeom.continuity.naming import MatrixRef, resolve_roles
 from flowgeom.continuity.sources import TensorSource, open_source
-from flowgeom.continuity.spectra import SOLVERS, pairs_from_gram, small_gram, unit_scale, unscale_pairs
+from flowgeom.continuity.spectra import (SOLVERS, pairs_and_spectrum_from_gram, pairs_from_gram, small_gram, unit_scale,
+                                         unscale_pairs, unscale_values)
 from flowgeom.errors import FlowgeomError, require_choices
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
@@ -58,6 +59,7 @@ class AnalyzeConfig:
     kv_heads: int | None = None  # key/value heads for splitting fused q|k|v (default: from the model config)
     merge_lora: bool = False  # analyse W + s·B A for PEFT LoRA-adapted projections instead of the base W
     lora_adapter: str | None = None  # which adapter to merge when the checkpoint holds several
+    spectra: bool = False  # per-matrix stable rank, spectral entropy, power-law alpha of the ESD (powerlaw.py)
 
     def __post_init__(self):
         for name in ("k", "batch", "draws"):
@@ -92,6 +94,7 @@ class _LayerState:
     gram: torch.Tensor | None  # small-side Gram (None with gram=False)
     fro: torch.Tensor  # ||A^T A||_F
     pairs: object  # SingularPairs of this matrix
+    spectrum: dict | None = None  # layer spectra (config.spectra): powerlaw.layer_spectrum + eigenvalue source
 
 
 @dataclass
@@ -156,8 +159,15 @@ class Analyzer:
         mats = loaded[0].unsqueeze(0) if len(loaded) == 1 else torch.stack(loaded)  # (B, m, n), no copy for B = 1
         del loaded
         grams, side = small_gram(mats)
-        pairs = pairs_from_gram(mats, grams, side, self.k_of[refs[0].role], solver=self.config.solver, tol=self.config.tol,
-                                seed=self.config.seed)
+        k = self.k_of[refs[0].role]
+        spectra = [None] * len(refs)
+        if self.config.spectra:  # the whole ESD: from the dense solver's own reduction, or a separate eigvalsh
+            pairs, values, how = pairs_and_spectrum_from_gram(mats, grams, side, k, solver=self.config.solver,
+                                                             tol=self.config.tol, seed=self.config.seed)
+            spectra = self._spectra(refs, unscale_values(values, exps), how, grams.dtype)
+        else:
+            pairs = pairs_from_gram(mats, grams, side, k, solver=self.config.solver, tol=self.config.tol,
+                                    seed=self.config.seed)
         pairs = unscale_pairs(pairs, exps)  # true singular values (vectors and ratios are scale-free)
         fros = gram_fro(mats, grams)
         for ref, fro in zip(refs, fros.tolist()):
@@ -167,8 +177,15 @@ class Analyzer:
                                     "where it has been trained")
         self._side = side
         if not self.config.gram:  # pairs only need the factors: drop the matrix and Gram right away
-            return [_LayerState(r.layer, None, None, fros[i], pairs[i]) for i, r in enumerate(refs)]
-        return [_LayerState(r.layer, mats[i], grams[i], fros[i], pairs[i]) for i, r in enumerate(refs)]
+            return [_LayerState(r.layer, None, None, fros[i], pairs[i], spectra[i]) for i, r in enumerate(refs)]
+        return [_LayerState(r.layer, mats[i], grams[i], fros[i], pairs[i], spectra[i]) for i, r in enumerate(refs)]
+
+    def _spectra(self, refs: list[MatrixRef], values: torch.Tensor, how: str, dtype: torch.dtype) -> list[dict]:
+        """Layer spectra of each matrix from its ESD ``values`` (B d), computed in ``dtype`` (powerlaw.layer_spectrum)."""
+        from flowgeom.continuity.powerlaw import layer_spectrum
+
+        eps = torch.finfo(dtype).eps
+        return [dict(layer_spectrum(v, ref.shape, eps), eigenvalues=how) for ref, v in zip(refs, values.cpu())]
 
     def _pair(self, a: _LayerState, b: _LayerState, d: int) -> dict:
         rec = {"a": a.layer, "b": b.layer, "distance": d}
@@ -193,7 +210,8 @@ class Analyzer:
                     if partner is not None:
                         run.pairs.append(self._pair(partner, st, d))
                 run.spectra.append({"layer": st.layer, "sigma": st.pairs.S.tolist(), "gap": float(st.pairs.gap),
-                                    "residual": float(st.pairs.residual), "krylov_depth": st.pairs.iters})
+                                    "residual": float(st.pairs.residual), "krylov_depth": st.pairs.iters,
+                                    **(st.spectrum or {})})
                 window = (window + [st])[-keep:]
                 if progress:
                     progress(1)
@@ -230,7 +248,18 @@ class Analyzer:
             "verdict": verdict(r_in, r_out, self.config.threshold),
             "min_gap": min(s["gap"] for s in run.spectra),
             "metrics": metrics, "by_distance": by_distance, "pairs": run.pairs, "spectra": run.spectra,
+            **({"layer_spectra": layer_spectra_summary(run.spectra)} if self.config.spectra else {}),
         }
+
+
+def layer_spectra_summary(spectra: list[dict]) -> dict:
+    """Per-role summary of the per-matrix layer spectra: stats of alpha (fitted ones), stable rank, entropy."""
+    out = {key: _stats([s[key] for s in spectra]) for key in ("stable_rank", "entropy")}
+    alphas = [s["alpha"] for s in spectra if s["alpha"] is not None]
+    out["alpha"] = _stats(alphas) if alphas else None
+    out["alpha_missing"] = len(spectra) - len(alphas)
+    out["eigenvalues"] = sorted({s["eigenvalues"] for s in spectra})
+    return out
 
 
 def analyze(source, config: AnalyzeConfig | None = None, *, custom_roles: Mapping[str, str] | None = None,

@@ -65,7 +65,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import scipy.linalg
+import scipy.linalg.lapack
 import torch
 
 from flowgeom.continuity import _blas
@@ -251,16 +253,72 @@ def dense_top_eigenpairs(G: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.T
     return theta, Y.to(F64), residual, 0
 
 
+def _lapack(name: str, dtype) -> object:
+    return getattr(scipy.linalg.lapack, ("s" if dtype == np.float32 else "d") + name)
+
+
+def _tridiagonal_top(g: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """All eigenvalues (ascending) and the top-k eigenpairs (descending) of one symmetric ``g`` (d d), one reduction.
+
+    ``?sytrd`` reduces ``g = Q T Q^T`` (T tridiagonal, Q as d-1 Householder
+    reflectors; blocked, BLAS-3 for half its flops); ``?sterf`` gives every
+    eigenvalue of T in O(d^2); ``?stemr`` (MRRR) the top k eigenvectors z of
+    T; ``?ormqr`` applies Q to them (y = Q z, 2 d^2 k flops). This is what
+    ``?syevr`` does for the top k alone, plus the O(d^2) ``?sterf``.
+    """
+    d = g.shape[0]
+    lwork = int(_lapack("sytrd_lwork", g.dtype)(d, lower=1)[0])
+    c, diag, off, tau, info = _lapack("sytrd", g.dtype)(g.T, lower=1, lwork=lwork)  # g.T: Fortran order, no copy
+    if info:
+        raise FlowgeomError(f"LAPACK ?sytrd failed (info={info}) on a {d}x{d} Gram; the matrix holds NaN/Inf")
+    values, info = _lapack("sterf", g.dtype)(diag, off)
+    off_n = np.zeros(d, dtype=g.dtype)
+    off_n[:-1] = off  # ?stemr wants e of length d (and overwrites it)
+    stemr_args = (diag, off_n, 2, 0.0, 1.0, d - k + 1, d)  # range "I": eigenvalues d-k+1..d (1-based)
+    lw, liw, info = _lapack("stemr_lwork", g.dtype)(*stemr_args, compute_v=1)
+    m, w, z, info2 = _lapack("stemr", g.dtype)(*stemr_args, compute_v=1, lwork=lw, liwork=liw)
+    if info or info2 or m != k:
+        raise FlowgeomError(f"LAPACK tridiagonal eigensolver failed (sterf info={info}, stemr info={info2}, {m} of "
+                            f"{k} pairs) on a {d}x{d} Gram; rerun with --solver krylov")
+    z = np.asfortranarray(z[:, :k])
+    y = np.empty_like(z)
+    y[0] = z[0]  # Q = diag(1, Q'), Q' = H(1)...H(d-1) stored below the subdiagonal of c
+    ormqr = _lapack("ormqr", g.dtype)
+    work = int(ormqr("L", "N", c[1:, :-1], tau, z[1:], -1)[1][0].real)
+    y[1:] = ormqr("L", "N", c[1:, :-1], tau, z[1:], max(work, 1))[0]
+    return values, w[:k][::-1].copy(), y[:, ::-1].copy()
+
+
+def dense_top_eigenpairs_and_values(G: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int,
+                                                                      torch.Tensor]:
+    """:func:`dense_top_eigenpairs` plus every eigenvalue (L d, ascending, float64) from the same reduction."""
+    d = G.shape[-1]
+    vals, thetas, vecs = [], [], []
+    for g in G.reshape(-1, d, d).numpy():
+        v, w, y = _tridiagonal_top(g, k)
+        vals.append(torch.from_numpy(v))
+        thetas.append(torch.from_numpy(w))
+        vecs.append(torch.from_numpy(y))
+    theta, Y = torch.stack(thetas).to(F64), torch.stack(vecs)  # (L, k), (L, d, k)
+    r = (G @ Y - Y * theta.to(G.dtype).unsqueeze(-2)).norm(dim=-2).to(F64)
+    residual = (r / theta[..., :1].clamp_min(torch.finfo(F64).tiny)).amax(-1)
+    return theta, Y.to(F64), residual, 0, torch.stack(vals).to(F64)
+
+
+def _use_dense(G: torch.Tensor, solver: str) -> bool:
+    """Whether ``solver`` means the dense LAPACK path for this Gram (``auto``: CPU and d <= DENSE_MAX_DIM)."""
+    if solver not in SOLVERS:
+        raise choice_error("solver", solver, SOLVERS)
+    dense = solver == "dense" or (solver == "auto" and G.device.type == "cpu" and G.shape[-1] <= DENSE_MAX_DIM)
+    if dense and G.device.type != "cpu":
+        raise FlowgeomError(f"--solver dense runs on CPU only (got a {G.device.type} tensor); use krylov or auto")
+    return dense
+
+
 def top_eigenpairs(G: torch.Tensor, k: int, *, solver: str = "auto", **krylov) -> tuple[torch.Tensor, torch.Tensor,
                                                                                          torch.Tensor, int]:
     """Top ``k`` eigenpairs of PSD ``G`` (L d d) by ``solver`` (see module docstring); Krylov options pass through."""
-    if solver not in SOLVERS:
-        raise choice_error("solver", solver, SOLVERS)
-    d = G.shape[-1]
-    dense = solver == "dense" or (solver == "auto" and G.device.type == "cpu" and d <= DENSE_MAX_DIM)
-    if dense:
-        if G.device.type != "cpu":
-            raise FlowgeomError(f"--solver dense runs on CPU only (got a {G.device.type} tensor); use krylov or auto")
+    if _use_dense(G, solver):
         return dense_top_eigenpairs(G if _blas.supported(G) else G.to(F64), k)
     return krylov_top_eigenpairs(G, k, **krylov)
 
@@ -269,6 +327,30 @@ def pairs_from_gram(A: torch.Tensor, G: torch.Tensor, side: str, k: int, **opts)
     """Top-k singular triplets of ``A`` (L m n) given its small-side Gram ``G`` (see :func:`small_gram`)."""
     _check_k(k, *A.shape[-2:])
     theta, Y, residual, depth = top_eigenpairs(G, k, **opts)
+    return _pairs(A, side, theta, Y, residual, depth)
+
+
+def pairs_and_spectrum_from_gram(A: torch.Tensor, G: torch.Tensor, side: str, k: int, *, solver: str = "auto",
+                                 **krylov) -> tuple[SingularPairs, torch.Tensor, str]:
+    """:func:`pairs_from_gram` plus the whole ESD: ``(pairs, eigenvalues of G (L d) ascending float64, how)``.
+
+    ``how`` says where the eigenvalues came from: ``"tridiagonal"`` (dense
+    solver: the reduction the top-k pairs need anyway, plus an O(d^2)
+    ``?sterf``) or ``"eigvalsh"`` (Krylov solver: it never sees the whole
+    spectrum, so a separate ``torch.linalg.eigvalsh`` of the Gram runs, at
+    the cost of one more O(d^3) reduction per matrix).
+    """
+    _check_k(k, *A.shape[-2:])
+    if _use_dense(G, solver):
+        theta, Y, residual, depth, values = dense_top_eigenpairs_and_values(G if _blas.supported(G) else G.to(F64), k)
+        how = "tridiagonal"
+    else:
+        theta, Y, residual, depth = top_eigenpairs(G, k, solver=solver, **krylov)
+        values, how = torch.linalg.eigvalsh(G).to(F64), "eigvalsh"
+    return _pairs(A, side, theta, Y, residual, depth), values, how
+
+
+def _pairs(A, side, theta, Y, residual, depth) -> SingularPairs:
     s = theta.clamp_min(0).sqrt()  # (L, k)
     inv = torch.where(s > 0, 1.0 / s.clamp_min(torch.finfo(F64).tiny), torch.zeros_like(s))
     # products in A's dtype (no float64 copy of A: memory stays ~ one matrix), then float64
@@ -277,6 +359,15 @@ def pairs_from_gram(A: torch.Tensor, G: torch.Tensor, side: str, k: int, **opts)
     else:  # Y = U, V = A^T U / s
         U, V = Y, (A.mT @ Y.to(A.dtype)).to(F64) * inv.unsqueeze(-2)
     return SingularPairs(U, s, V, residual, depth)
+
+
+def unscale_values(values: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """Eigenvalues of ``A^T A`` from those of ``(A 2^-e)^T (A 2^-e)``: times ``4^e`` (:func:`unit_scale`), float64."""
+    if not e.any():
+        return values
+    factor = torch.tensor([math.ldexp(1.0, 2 * int(x)) for x in e.reshape(-1).tolist()], dtype=F64,
+                          device=values.device).reshape(e.shape)
+    return values * factor.unsqueeze(-1)
 
 
 def top_singular_pairs(mats: torch.Tensor, k: int = 1, *, dtype: torch.dtype | None = None, solver: str = "auto",
