@@ -191,6 +191,7 @@ def test_cli_json_shows_config_and_precision(capsys):
     (["hf:llama:attention", "--config", "attn_implementation=sdpa"], "eager"),
     (["hf:llama:attention", "--config", "num_attention_heads=3"], "change the --config values"),
     (["mha", "--config", "heads=2"], "only applies to hf:"),
+    (["hf:llama:attention", "--config", "vocab_size=3000000"], "a tiny model for counting may have"),
 ])
 def test_cli_errors_are_one_line(capsys, argv, needle):
     rc = main(["laws", "count", *argv])

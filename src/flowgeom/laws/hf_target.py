@@ -306,6 +306,26 @@ def closed_form(model_type: str, part: str, config: Any) -> int | None:
     return None
 
 
+MAX_MODEL_PARAMETERS = 20_000_000  # the whole tiny model is built (160 MB in float64) before layer 0 is taken
+
+
+def _check_size(model_type: str, kwargs: dict[str, Any]) -> None:
+    """Build the model on the meta device (no memory) and refuse it above MAX_MODEL_PARAMETERS."""
+    import transformers
+
+    from flowgeom.hf.tiny import tiny_config
+
+    config = tiny_config(model_type, **kwargs)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager",
+                                                                 experts_implementation="eager")
+    total = sum(p.numel() for p in model.parameters())
+    if total > MAX_MODEL_PARAMETERS:
+        raise FlowgeomError(f"a {model_type} with {kwargs} has {total:,} parameters, more than the "
+                            f"{MAX_MODEL_PARAMETERS:,} a tiny model for counting may have; lower hidden_size, "
+                            "num_hidden_layers, vocab_size or the expert count with --config")
+
+
 @dataclass
 class HFBuild:
     """What :func:`build` made: the wrapped part, the config values used, the closed-form count."""
@@ -325,6 +345,7 @@ def build(model_type: str, part: str, *, overrides: dict[str, Any] | None = None
     lay = LAYOUTS[model_type]
     kwargs = {**lay.sizes, **(overrides or {})}
     try:
+        _check_size(model_type, kwargs)
         model = tiny_model(model_type, seed=seed, dtype=torch.float64, **kwargs)
     except FlowgeomError:
         raise
