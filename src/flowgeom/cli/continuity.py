@@ -78,8 +78,30 @@ def print_report(report: dict) -> None:
     if low:
         out.print("near-degenerate sigma_1 ~ sigma_2 in: " + ", ".join(low) + "; their v1/u1 are unstable, "
                   "read the subspace columns")
+    if any("layer_spectra" in r for r in report["roles"].values()):
+        out.print(spectra_table(report))
     for line in inventory_lines(report):
         out.print(escape(line))
+
+
+def spectra_table(report: dict):
+    """Roles x layer-spectra table (``--spectra``): mean±sd [min, max] over the role's layers."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title="layer spectra (ESD of W^T W; alpha: weightwatcher 0.7.7's power-law fit; per matrix in --json)")
+    for col in ("role", "alpha  mean±sd [min, max]", "stable rank", "entropy", "eigenvalues"):
+        table.add_column(col, justify="left" if col in ("role", "eigenvalues") else "right")
+
+    def cell(st, fmt):
+        return "-" if st is None else f"{st['mean']:{fmt}}±{st['std']:{fmt}} [{st['min']:{fmt}}, {st['max']:{fmt}}]"
+
+    for role, r in report["roles"].items():
+        ls = r["layer_spectra"]
+        alpha = cell(ls["alpha"], ".2f") + (f" ({ls['alpha_missing']} not fitted)" if ls["alpha_missing"] else "")
+        table.add_row(escape(role), alpha, cell(ls["stable_rank"], ".1f"), cell(ls["entropy"], ".3f"),
+                      ", ".join(ls["eigenvalues"]))
+    return table
 
 
 def inventory_lines(report: dict) -> list[str]:
@@ -121,7 +143,7 @@ def run_analyze(args: argparse.Namespace) -> int:
         max_layers=args.max_layers, device=str(device), dtype=args.dtype, baseline=args.baseline,
         draws=args.draws, seed=args.seed, batch=args.batch, threshold=args.threshold, solver=args.solver,
         gram=not args.no_gram, heads=args.heads, kv_heads=args.kv_heads, merge_lora=args.merge_lora,
-        lora_adapter=args.lora_adapter,
+        lora_adapter=args.lora_adapter, spectra=args.spectra,
     )
     bar, update = _progress(not args.json)
     if bar is not None:
@@ -181,6 +203,9 @@ def add_analyze(verbs) -> None:
     p.add_argument("--no-gram", action="store_true",
                    help="skip the sigma^2-Gram similarity (its exact off-side cross product is ~30%% of the CPU time "
                         "on SmolLM2; the other metrics then keep no raw matrix between layers)")
+    p.add_argument("--spectra", action="store_true",
+                   help="also per-matrix layer spectra: stable rank, spectral entropy and the power-law alpha of the "
+                        "eigenvalue distribution (weightwatcher 0.7.7's estimator), from the same eigensolver pass")
     p.add_argument("--baseline", default="analytic", choices=("analytic", "montecarlo"),
                    help="random-matrix baseline: closed form (default) or Gaussian draws of the same shapes")
     p.add_argument("--draws", type=positive_int(maximum=100_000), default=8, help="Monte-Carlo draws (default 8)")
