@@ -20,17 +20,14 @@ def heatmap_bytes(report: dict, *, fmt: str = "png") -> bytes:
     """The figure for an :func:`~flowgeom.continuity.analyze` report, as ``fmt`` bytes."""
     if fmt not in FORMATS:
         raise FlowgeomError(f"unknown figure format {fmt!r}; name the file .png, .pdf or .svg")
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
     import numpy as np
+    from matplotlib.figure import Figure  # object API: no pyplot, no global backend switch
 
     roles = list(report["roles"])
     first = report["config"]["distances"][0]
     width = max(len(r["layers"]) for r in report["roles"].values()) - first
-    fig, axes = plt.subplots(1, 2, figsize=(max(6.0, 0.25 * width + 3) * 2 / 1.6, 0.45 * len(roles) + 1.6),
-                             constrained_layout=True)
+    fig = Figure(figsize=(max(6.0, 0.25 * width + 3) * 2 / 1.6, 0.45 * len(roles) + 1.6), constrained_layout=True)
+    axes = fig.subplots(1, 2)
     for ax, key, title in ((axes[0], "v1", "input space: |cos v1|"), (axes[1], "u1", "output space: |cos u1|")):
         grid = np.full((len(roles), width), np.nan)
         for i, role in enumerate(roles):
@@ -46,7 +43,6 @@ def heatmap_bytes(report: dict, *, fmt: str = "png") -> bytes:
     fig.suptitle(f"{report['source']}: row labels give mean |cos| / random baseline")
     buf = io.BytesIO()
     fig.savefig(buf, format=fmt, dpi=120)
-    plt.close(fig)
     return buf.getvalue()
 
 

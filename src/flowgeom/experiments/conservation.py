@@ -299,16 +299,14 @@ def _title(cfg: ConservationConfig) -> str:
 
 def plot_run(metrics: Sequence[Mapping[str, Any]], path: str | Path, *, title: str = "") -> Path:
     """ε(k) per law family (solid), controls (dashed), refuted claims (dotted); log scale."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # object API: no pyplot, no global backend switch
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     keys = sorted({k for m in metrics for k in m if "/" in k and "@" not in k})
     steps = [m["step"] for m in metrics]
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    fig = Figure(figsize=(6.4, 4.2))
+    ax = fig.subplots()
     for key in keys:
         ys = [max(m.get(key, float("nan")), 1e-18) for m in metrics]
         style = ":" if key.startswith("refuted/") else "--" if key.startswith("control/") else "-"
@@ -320,7 +318,6 @@ def plot_run(metrics: Sequence[Mapping[str, Any]], path: str | Path, *, title: s
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path
 
 
@@ -361,17 +358,16 @@ def _mean(record: Mapping[str, Any], kind: str) -> float:
 
 def plot_grid(rows: Sequence[Mapping[str, Any]], path: str | Path, *, title: str = "") -> Path:
     """One panel per architecture: mean ε over law families (solid) and controls (dashed), one colour per lr."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib import rcParams
+    from matplotlib.figure import Figure  # object API: no pyplot, no global backend switch
 
     archs = list(dict.fromkeys(r["arch"] for r in rows))
     lrs = sorted({r["lr"] for r in rows})
     cols = min(4, len(archs))
     n_rows = -(-len(archs) // cols)
-    fig, axes = plt.subplots(n_rows, cols, figsize=(3.6 * cols, 2.9 * n_rows), squeeze=False)
-    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    fig = Figure(figsize=(3.6 * cols, 2.9 * n_rows))
+    axes = fig.subplots(n_rows, cols, squeeze=False)
+    colours = rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, arch in zip(axes.flat, archs):
         for i, lr in enumerate(lrs):
             for r in (r for r in rows if r["arch"] == arch and r["lr"] == lr and not r.get("diverged")):
@@ -394,5 +390,4 @@ def plot_grid(rows: Sequence[Mapping[str, Any]], path: str | Path, *, title: str
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
-    plt.close(fig)
     return path

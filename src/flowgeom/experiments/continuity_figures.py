@@ -10,13 +10,11 @@ from flowgeom.continuity.dynamics import series
 from flowgeom.runs import atomic_write_bytes
 
 
-def _figure():
-    import matplotlib
+def _figure(figsize: tuple[float, float]):
+    """A bare :class:`matplotlib.figure.Figure` (object API: no pyplot, no global backend switch)."""
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+    return Figure(figsize=figsize)
 
 
 def _save(fig, path: str | Path) -> Path:
@@ -40,8 +38,8 @@ def plot_ablation_curves(runs: Mapping[str, Sequence[Mapping[str, Any]]], path: 
 
     ``runs`` maps a variant name to its metrics.jsonl records.
     """
-    plt = _figure()
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    fig = _figure((15, 4))
+    axes = fig.subplots(1, 3)
     panels = (("weight", "v1", "weight continuity |cos v1|"), ("grad", "v1", "gradient continuity |cos v1|"),
               (None, "dw_ratio", "||ΔW|| / ||W(0)||"))
     baseline = None
@@ -62,18 +60,17 @@ def plot_ablation_curves(runs: Mapping[str, Sequence[Mapping[str, Any]]], path: 
     axes[0].legend(fontsize=7)
     fig.suptitle("Residual-MLP ablations on MNIST: where continuity comes from")
     path = _save(fig, path)
-    plt.close(fig)
     return path
 
 
 def plot_roles(records: Sequence[Mapping[str, Any]], path: str | Path, *, roles: Sequence[str] | None = None) -> Path:
     """Per role: weight v1/u1, gradient v1/u1 and ||ΔW||/||W(0)|| against steps (LM runs)."""
-    plt = _figure()
     recs = [r for r in records if "continuity" in r]
     roles = list(roles or (recs[0]["continuity"] if recs else []))
     panels = (("weight", "v1", "weight v1 (input space)"), ("weight", "u1", "weight u1 (output space)"),
               ("grad", "v1", "gradient v1"), ("grad", "u1", "gradient u1"), (None, "dw_ratio", "||ΔW|| / ||W(0)||"))
-    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 4))
+    fig = _figure((4 * len(panels), 4))
+    axes = fig.subplots(1, len(panels))
     for role in roles:
         for ax, (kind, metric, title) in zip(axes, panels):
             steps, values = series(recs, role, kind, metric)
@@ -86,5 +83,4 @@ def plot_roles(records: Sequence[Mapping[str, Any]], path: str | Path, *, roles:
     axes[-1].axhline(1.0, color="grey", ls=":")
     axes[0].legend(fontsize=8)
     path = _save(fig, path)
-    plt.close(fig)
     return path

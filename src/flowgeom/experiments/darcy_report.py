@@ -60,17 +60,15 @@ def convergence_rate(cfg, metrics: list[dict[str, Any]], l_star: float) -> dict[
 
 def figures(folder: RunFolder, summary: dict[str, Any]) -> list[str]:
     """``figures/darcy_norms.png``, ``darcy_errors.png``, ``darcy_rate.png``; returns their paths."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # object API: no pyplot, no global backend switch
 
     metrics = folder.metrics()
     folder.figures.mkdir(parents=True, exist_ok=True)
     regs = list(summary["arms"])
     paths = []
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    fig = Figure(figsize=(10, 4))
+    axes = fig.subplots(1, 2)
     for reg in regs:
         for ax, key, name in ((axes[0], "wq_norm", "‖W_Q‖_F"), (axes[1], "wk_norm", "‖W_K‖_F")):
             ax.plot(*_series(metrics, reg, key), label=reg)
@@ -80,7 +78,8 @@ def figures(folder: RunFolder, summary: dict[str, Any]) -> list[str]:
     fig.suptitle("Darcy: attention weight norms during Langevin training")
     paths.append(_save(fig, folder.figures / "darcy_norms.png"))
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    fig = Figure(figsize=(10, 4))
+    axes = fig.subplots(1, 2)
     for reg in regs:
         axes[0].plot(*_series(metrics, reg, "test_rmse"), label=reg)
         axes[1].plot(*_series(metrics, reg, "gap"), label=reg)
@@ -93,7 +92,8 @@ def figures(folder: RunFolder, summary: dict[str, Any]) -> list[str]:
 
     rate = summary.get("rate") or {}
     if rate.get("eps"):
-        fig, ax = plt.subplots(figsize=(5, 4))
+        fig = Figure(figsize=(5, 4))
+        ax = fig.subplots()
         for reg, hits in rate["steps"].items():
             pts = [(x, h) for x, h in zip(rate["log_inv_eps"], hits) if h is not None]
             if pts:
@@ -106,9 +106,6 @@ def figures(folder: RunFolder, summary: dict[str, Any]) -> list[str]:
 
 
 def _save(fig, path) -> str:
-    import matplotlib.pyplot as plt
-
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)
     return str(path)

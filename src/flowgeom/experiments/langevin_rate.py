@@ -106,12 +106,10 @@ def run_rate(cfg: RateConfig) -> dict[str, Any]:
 
 def plot_rate(result: dict[str, Any], path) -> None:
     """Left: ``E[V₀] − L*`` against time (log scale); right: ``τ(ε)`` against ``log(1/ε)``."""
-    import matplotlib
+    from matplotlib.figure import Figure  # object API: no pyplot, no global backend switch
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_c, ax_t) = plt.subplots(1, 2, figsize=(10, 4))
+    fig = Figure(figsize=(10, 4))
+    ax_c, ax_t = fig.subplots(1, 2)
     for reg, curve in result["suboptimality"].items():
         ax_c.plot(result["time"], [max(v, 1e-12) for v in curve], label=reg)
         pts = [(x, h) for x, h in zip(result["log_inv_eps"], result["tau"][reg]) if h is not None]
@@ -126,4 +124,3 @@ def plot_rate(result: dict[str, Any], path) -> None:
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)

@@ -192,13 +192,11 @@ def _as_dict(fit: Fit | None) -> dict[str, float] | None:
 
 def plot_scaling(result: Mapping[str, Any], cfg: ScalingConfig, path: Path) -> Path:
     """Four panels: ε vs τ at fixed k, ε vs k at fixed τ, constant vs inverse schedule, router sums vs τ."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # object API: no pyplot, no global backend switch
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig, axes = plt.subplots(2, 2, figsize=(10, 7.5))
+    fig = Figure(figsize=(10, 7.5))
+    axes = fig.subplots(2, 2)
     taus = sorted(cfg.taus)
     first = result["archs"][cfg.archs[0]]
     ax = axes[0, 0]
@@ -237,7 +235,6 @@ def plot_scaling(result: Mapping[str, Any], cfg: ScalingConfig, path: Path) -> P
         ax.xaxis.set_minor_formatter(NullFormatter())  # minor log ticks overlap on short τ ranges
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path
 
 

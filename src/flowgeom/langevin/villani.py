@@ -268,12 +268,10 @@ def probe(obj: Objective, *, temperature: float = 1.0, rays: int = 3, r_max: flo
 
 def plot(report: VillaniReport, path) -> None:
     """Save ``V`` and ``Q`` against the radius for every probed path (matplotlib, Agg)."""
-    import matplotlib
+    from matplotlib.figure import Figure  # object API: no pyplot, no global backend switch
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_v, ax_q) = plt.subplots(1, 2, figsize=(10, 4))
+    fig = Figure(figsize=(10, 4))
+    ax_v, ax_q = fig.subplots(1, 2)
     for i, p in enumerate(report.paths):
         label = f"{p.kind} {i}: {p.verdict}"
         ax_v.plot(p.radius, p.value, marker=".", label=label)
@@ -287,4 +285,3 @@ def plot(report: VillaniReport, path) -> None:
     fig.suptitle(f"Villani probe: {report.objective} + {report.regularizer} (s={report.temperature:g}) → {report.verdict}")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)

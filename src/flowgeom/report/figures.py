@@ -52,21 +52,17 @@ def check_figure_path(path: str | os.PathLike) -> Path:
     return path
 
 
-def _pyplot():
-    import matplotlib
+def _figure(figsize: tuple[float, float]):
+    """A bare :class:`matplotlib.figure.Figure` (object API: no pyplot state, no global backend switch)."""
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
-    return plt
+    return Figure(figsize=figsize)
 
 
 def save(fig, path: str | os.PathLike) -> Path:
-    """Write ``fig`` as PNG to ``path`` (atomic) and close it."""
-    plt = _pyplot()
+    """Write ``fig`` as PNG to ``path`` (atomic)."""
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
-    plt.close(fig)
     atomic_write_bytes(path, buf.getvalue())
     return Path(path)
 
@@ -77,10 +73,10 @@ def log_bars(path: str | os.PathLike, groups: Mapping[str, Mapping[str, float]],
 
     Used for violations (a real law at round-off ~1e-16 vs an O(1) control).
     """
-    plt = _pyplot()
     labels = list(groups)
     series = sorted({s for g in groups.values() for s in g})
-    fig, ax = plt.subplots(figsize=(max(5.0, 0.9 * len(labels) + 2), 3.4))
+    fig = _figure((max(5.0, 0.9 * len(labels) + 2), 3.4))
+    ax = fig.subplots()
     width = 0.8 / max(1, len(series))
     for k, name in enumerate(series):
         xs = [i + (k - (len(series) - 1) / 2) * width for i in range(len(labels))]
@@ -100,8 +96,8 @@ def log_bars(path: str | os.PathLike, groups: Mapping[str, Mapping[str, float]],
 def paired_bars(path: str | os.PathLike, labels: Sequence[str], left: Sequence[float], right: Sequence[float], *,
                 names: tuple[str, str], title: str, ylabel: str) -> Path:
     """Two bars per label (e.g. the seed's count vs our count)."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(max(5.0, 0.9 * len(labels) + 2), 3.4))
+    fig = _figure((max(5.0, 0.9 * len(labels) + 2), 3.4))
+    ax = fig.subplots()
     xs = range(len(labels))
     ax.bar([x - 0.2 for x in xs], left, width=0.4, label=names[0])
     ax.bar([x + 0.2 for x in xs], right, width=0.4, label=names[1])
@@ -116,8 +112,8 @@ def paired_bars(path: str | os.PathLike, labels: Sequence[str], left: Sequence[f
 def curves(path: str | os.PathLike, series: Mapping[str, tuple[Sequence[float], Sequence[float]]], *, title: str,
            xlabel: str, ylabel: str, logx: bool = False, logy: bool = False) -> Path:
     """One line per named ``(x, y)`` series."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(5.5, 3.4))
+    fig = _figure((5.5, 3.4))
+    ax = fig.subplots()
     for name, (x, y) in series.items():
         ax.plot(list(x), list(y), marker="o", ms=3, label=name)
     if logx:
