@@ -179,8 +179,6 @@ def register(sub) -> None:
     add_size_options(p)
     add_json(p)
     add_seed(p)
-    try:
-        from flowgeom.cli.laws_engine import register_verbs
-    except ImportError:  # the numeric engine is optional until it lands
-        return
+    from flowgeom.cli.laws_engine import register_verbs  # an import bug fails loudly, never drops commands
+
     register_verbs(verbs)

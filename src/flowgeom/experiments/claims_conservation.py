@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from flowgeom.experiments.registry import Claim, RunRecord, Verdict, unavailable
+from flowgeom.experiments.registry import Claim, RunRecord, Verdict
 from flowgeom.runs import RunFolder
 
 TAU_SLOPE = (1.7, 2.3)  # issue 4's acceptance band for the τ-slope of the laws
@@ -186,16 +186,8 @@ TEXTS = {
 
 
 def claims() -> list[Claim]:
-    try:
-        from flowgeom.experiments import conservation, scaling  # noqa: F401
-        needed = ("QUICK", "FULL", "run_scaling")
-        missing = [n for n in needed if not hasattr(scaling, n)] + \
-            [n for n in ("ConservationConfig", "run_conservation") if not hasattr(conservation, n)]
-        if missing:
-            raise ImportError(f"missing {', '.join(missing)}")
-    except Exception as exc:  # noqa: BLE001 - the area is optional until it lands
-        return unavailable("conservation", f"flowgeom.experiments.conservation/scaling unavailable ({exc})",
-                           [(cid, "000", text) for cid, text in TEXTS.items()])
+    from flowgeom.experiments import conservation  # an import bug fails loudly, never hides the claims
+
     drift_q = tuple({"arch": a, "lr": 0.1, "seed": 0, "steps": 100, "log_every": 10} for a in
                     ("mha-rope-swiglu", "moe-top2-softmax"))
     drift_f = tuple({"arch": a, "lr": lr, "seed": s, "steps": 2000, "log_every": 50, "n_layers": 4, "d_model": 64}
