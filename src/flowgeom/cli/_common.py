@@ -61,6 +61,9 @@ def resolve_device(name: str):
         raise FlowgeomError(f"unknown --device {name!r}; choose cpu or cuda")
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise FlowgeomError("--device cuda asked for, but no CUDA GPU is visible; use --device cpu")
+    index = name.partition(":")[2]
+    if index and not (index.isdigit() and int(index) < torch.cuda.device_count()):
+        raise FlowgeomError(f"unknown --device {name!r}; this machine has cuda:0..cuda:{torch.cuda.device_count() - 1}")
     return torch.device(name)
 
 
