@@ -11,7 +11,7 @@ of them, **unnormalised** (no ``1/N`` factor: weightwatcher 0.7.7's default,
   sum_j lambda_j`` (the normalised sigma^2 distribution), divided by the log
   of the numerical rank ``r`` (eigenvalues above ``lambda_1 d_max eps``,
   ``d_max = max(m, n)``, ``eps`` the precision the eigenvalues were computed
-  in). Normalised this way, as weightwatcher's ``entropy`` (``matrix_entropy``)
+  in; see :func:`numerical_rank`). Normalised this way, as weightwatcher's ``entropy`` (``matrix_entropy``)
   is, ``H`` is 1 for a flat spectrum of rank ``r`` and 0 for rank one.
   weightwatcher adds ``1e-10`` to every ``p_i`` and to ``r``; we do not, which
   changes ``H`` by at most ``d 1e-10 |log 1e-10| / log r`` (4e-7 at d = 576).
@@ -79,10 +79,18 @@ def stable_rank(evals: torch.Tensor) -> torch.Tensor:
 
 
 def numerical_rank(evals: torch.Tensor, d_max: int, eps: float) -> torch.Tensor:
-    """Eigenvalues above ``lambda_1 d_max eps`` (numpy's ``matrix_rank`` rule on sigma), per row of (... d)."""
+    """Eigenvalues above the Gram's noise floor ``lambda_1 d_max eps``, per row of (... d).
+
+    Eigenvalues of a Gram computed to precision ``eps`` carry an absolute
+    error ~ ``d eps lambda_1``, so a zero singular value comes out as a
+    ``lambda`` of that size: anything at or below ``lambda_1 d_max eps`` is
+    counted as zero. weightwatcher thresholds the singular values of a float64
+    SVD instead (``sigma_i > sigma_1 d_max eps``); the two ranks differ only when
+    some ``sigma_i / sigma_1`` lies in ``(d_max eps, sqrt(d_max eps))``
+    (1e-13 to 4e-7 in float64; 7e-5 to 8e-3 in float32).
+    """
     top = evals.amax(-1, keepdim=True)
-    sigma, sigma_1 = evals.clamp_min(0).sqrt(), top.clamp_min(0).sqrt()
-    return (sigma > sigma_1 * d_max * eps).sum(-1)
+    return (evals > top * d_max * eps).sum(-1)
 
 
 def spectral_entropy(evals: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:
