@@ -1,0 +1,127 @@
+"""flowgeom's minimal GGUF reader against the gguf package: same tables, bit-identical dequantisation, hostile files."""
+
+from __future__ import annotations
+
+import struct
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from flowgeom.continuity import open_source
+from flowgeom.continuity.gguf_file import GGML_TYPES
+from flowgeom.errors import FlowgeomError
+
+Q = gguf.GGMLQuantizationType
+
+
+def _write(path, tensors, *, quant=None, tokens=0):
+    """A GGUF file via gguf.GGUFWriter; 2-D tensors quantised to ``quant``; a ``tokens``-string vocabulary KV."""
+    w = gguf.GGUFWriter(str(path), "llama")
+    if tokens:
+        w.add_token_list([f"tok{i}" for i in range(tokens)])
+        w.add_token_scores([0.5] * tokens)
+    for name, arr in tensors.items():
+        if quant is not None and arr.ndim == 2:
+            w.add_tensor(name, gguf.quants.quantize(arr, quant), raw_dtype=quant)
+        else:
+            w.add_tensor(name, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _tensors(seed=0):
+    rng = np.random.default_rng(seed)
+    return {"blk.0.attn_q.weight": rng.standard_normal((64, 96)).astype(np.float32),
+            "blk.0.ffn_down.weight": rng.standard_normal((32, 128)).astype(np.float32),
+            "blk.0.attn_norm.weight": rng.standard_normal(96).astype(np.float32)}
+
+
+def test_type_table_matches_the_gguf_package():
+    for tid, (name, block, size) in GGML_TYPES.items():
+        assert Q(tid).name == name and gguf.constants.GGML_QUANT_SIZES[Q(tid)] == (block, size)
+
+
+@pytest.mark.parametrize("quant", [None, Q.F16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.BF16])
+def test_tables_and_values_bit_identical_to_gguf(tmp_path, quant):
+    path = tmp_path / "m.gguf"
+    _write(path, _tensors(), quant=quant, tokens=300)
+    src = open_source(path)
+    reader = gguf.GGUFReader(str(path), "r")
+    assert set(src.shapes) == {t.name for t in reader.tensors}
+    for t in reader.tensors:
+        ref = gguf.quants.dequantize(t.data, t.tensor_type).reshape(src.shapes[t.name])
+        got = src.load(t.name)
+        assert got.dtype == torch.float32 and tuple(got.shape) == tuple(int(d) for d in reversed(t.shape))
+        assert np.array_equal(got.numpy(), ref), t.name  # bit for bit, not approximately
+        got.add_(1.0)  # the caller owns the memory: the mapped file is never written
+    assert np.array_equal(src.load("blk.0.attn_norm.weight").numpy(), _tensors()["blk.0.attn_norm.weight"])
+
+
+def test_other_quants_fall_back_to_the_gguf_package(tmp_path):
+    path = tmp_path / "m.gguf"
+    arr = np.random.default_rng(1).standard_normal((8, 256)).astype(np.float32)
+    try:
+        _write(path, {"blk.0.attn_q.weight": arr}, quant=Q.Q5_0)  # not among the torch kernels
+    except NotImplementedError:
+        pytest.skip("this gguf version cannot quantise Q5_0")
+    t = gguf.GGUFReader(str(path), "r").tensors[0]
+    ref = gguf.quants.dequantize(t.data, t.tensor_type).reshape(8, 256)
+    assert np.array_equal(open_source(path).load("blk.0.attn_q.weight").numpy(), ref)
+
+
+def _layout(path):
+    """Byte offsets of a file written by _write with one tensor: (data start, tensor-table start)."""
+    data = path.read_bytes()
+    return data, data.index(b"blk.0.attn_q.weight") - 8  # the name's u64 length precedes it
+
+
+@pytest.mark.parametrize("cut", [3, 10, 30, 200, 1000, -100])
+def test_truncated_files_one_error(tmp_path, cut):
+    path = tmp_path / "m.gguf"
+    _write(path, {"blk.0.attn_q.weight": _tensors()["blk.0.attn_q.weight"]}, tokens=50)
+    data = path.read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[:cut] if cut > 0 else data[:cut])
+    with pytest.raises(FlowgeomError, match="truncated|runs past|GGUF") as err:
+        open_source(tmp_path / "cut.gguf")
+    assert "\n" not in str(err.value) and "cut.gguf" in str(err.value)
+
+
+def test_hostile_headers(tmp_path):
+    path = tmp_path / "m.gguf"
+    _write(path, {"blk.0.attn_q.weight": _tensors()["blk.0.attn_q.weight"]})
+    data, table = _layout(path)
+    name_len = len(b"blk.0.attn_q.weight")
+    type_at = table + 8 + name_len + 4 + 2 * 8  # after name, n_dims, two dims
+    cases = {
+        "magic": (b"GGUX" + data[4:], "magic"),
+        "version": (data[:4] + struct.pack("<I", 1) + data[8:], "version 1"),
+        "bigendian": (data[:4] + struct.pack(">I", 3) + data[8:], "big-endian"),
+        "type": (data[:type_at] + struct.pack("<I", 99) + data[type_at + 4:], "unknown ggml type 99"),
+        "offset": (data[:type_at + 4] + struct.pack("<Q", 1 << 40) + data[type_at + 12:], "runs past the end"),
+        "misaligned": (data[:type_at + 4] + struct.pack("<Q", 4) + data[type_at + 12:], "alignment"),
+        "ndims": (data[:table + 8 + name_len] + struct.pack("<I", 9) + data[table + 12 + name_len:], "dimensions"),
+        "kvcount": (data[:16] + struct.pack("<Q", 1 << 60) + data[24:], "truncated"),
+        "ntensors": (data[:8] + struct.pack("<Q", 1 << 60) + data[16:], "truncated"),
+        "empty": (b"", "GGUF"),
+    }
+    for name, (raw, msg) in cases.items():
+        bad = tmp_path / f"{name}.gguf"
+        bad.write_bytes(raw)
+        with pytest.raises(FlowgeomError, match=msg) as err:
+            open_source(bad)
+        assert "\n" not in str(err.value), name
+
+
+def test_string_array_past_the_end(tmp_path):
+    path = tmp_path / "m.gguf"
+    _write(path, {"blk.0.attn_q.weight": _tensors()["blk.0.attn_q.weight"]}, tokens=20)
+    data = bytearray(path.read_bytes())
+    at = data.index(b"tok7") - 8
+    data[at:at + 8] = struct.pack("<Q", 1 << 50)  # one token claims a petabyte
+    (tmp_path / "bad.gguf").write_bytes(bytes(data))
+    with pytest.raises(FlowgeomError, match="past the end|truncated"):
+        open_source(tmp_path / "bad.gguf")
