@@ -68,48 +68,47 @@ _SMALL_DECODER = dict(initializer_range=0.5, hidden_size=8, num_attention_heads=
                       num_hidden_layers=1, vocab_size=16, max_position_embeddings=32)
 
 
-@dataclass(frozen=True)
-class Layout:
-    """Where layer 0 and its parts live in the tiny causal LM of one family."""
-
-    layers: str                   # attribute path of the layer list
-    attention: str                # attribute of the layer
-    mlp: str | tuple[str, ...] | None
-    moe: str | None
-    rotary: str | None            # attribute path of the rotary embedding on the model, None: absolute positions
-    sizes: dict = field(default_factory=dict)  # count-sized overrides of flowgeom.hf.tiny's config
-
-
-_DECODER = dict(layers="model.layers", attention="self_attn", mlp="mlp", moe=None, rotary="model.rotary_emb")
-_MOE_DECODER = dict(_DECODER, mlp=None, moe="mlp")
-LAYOUTS: dict[str, Layout] = {
-    "llama": Layout(**_DECODER, sizes=_SMALL_DECODER),
-    "mistral": Layout(**_DECODER, sizes=_SMALL_DECODER),
-    "qwen2": Layout(**_DECODER, sizes=_SMALL_DECODER),
-    "qwen3": Layout(**_DECODER, sizes=_SMALL_DECODER),
-    "gemma": Layout(**_DECODER, sizes=_SMALL_DECODER),
-    "gemma2": Layout(**_DECODER, sizes=dict(_SMALL_DECODER, query_pre_attn_scalar=4, sliding_window=32)),
-    "phi3": Layout(**_DECODER, sizes=_SMALL_DECODER),
-    "mixtral": Layout(**_MOE_DECODER, sizes=dict(_SMALL_DECODER, intermediate_size=3, num_local_experts=3)),
-    "qwen2_moe": Layout(**_MOE_DECODER, sizes=dict(_SMALL_DECODER, num_experts=3, moe_intermediate_size=3,
-                                                   shared_expert_intermediate_size=4)),
-    "olmoe": Layout(**_MOE_DECODER, sizes=dict(_SMALL_DECODER, intermediate_size=3, num_experts=3)),
-    "gpt2": Layout(layers="transformer.h", attention="attn", mlp="mlp", moe=None, rotary=None,
-                   sizes=dict(initializer_range=0.5, n_embd=8, n_head=2, n_inner=12, n_layer=1, vocab_size=16, n_positions=32)),
-    "bert": Layout(layers="bert.encoder.layer", attention="attention", mlp=("intermediate", "output"), moe=None,
-                   rotary=None, sizes=dict(initializer_range=0.5, hidden_size=8, num_attention_heads=2, intermediate_size=12,
-                                           num_hidden_layers=1, vocab_size=16, max_position_embeddings=32)),
-    "gpt_neox": Layout(layers="gpt_neox.layers", attention="attention", mlp="mlp", moe=None, rotary="gpt_neox.rotary_emb",
-                       sizes=dict(initializer_range=0.5, hidden_size=8, num_attention_heads=2, intermediate_size=12,
-                                  num_hidden_layers=1, vocab_size=16, max_position_embeddings=32)),
+_MOE_SIZES = dict(_SMALL_DECODER, intermediate_size=3)
+# Count-sized overrides of flowgeom.hf.tiny's configs. Which blocks a family has and their classes come
+# from the one family table, flowgeom.hf.families (FAMILIES[model_type].attention_classes / mlp_classes).
+SIZES: dict[str, dict[str, Any]] = {
+    "llama": _SMALL_DECODER,
+    "mistral": _SMALL_DECODER,
+    "qwen2": _SMALL_DECODER,
+    "qwen3": _SMALL_DECODER,
+    "gemma": _SMALL_DECODER,
+    "gemma2": dict(_SMALL_DECODER, query_pre_attn_scalar=4, sliding_window=32),
+    "phi3": _SMALL_DECODER,
+    "mixtral": dict(_MOE_SIZES, num_local_experts=3),
+    "qwen2_moe": dict(_SMALL_DECODER, num_experts=3, moe_intermediate_size=3, shared_expert_intermediate_size=4),
+    "olmoe": dict(_MOE_SIZES, num_experts=3),
+    "gpt2": dict(initializer_range=0.5, n_embd=8, n_head=2, n_inner=12, n_layer=1, vocab_size=16, n_positions=32),
+    "bert": dict(initializer_range=0.5, hidden_size=8, num_attention_heads=2, intermediate_size=12, num_hidden_layers=1,
+                 vocab_size=16, max_position_embeddings=32),
+    "gpt_neox": dict(initializer_range=0.5, hidden_size=8, num_attention_heads=2, intermediate_size=12,
+                     num_hidden_layers=1, vocab_size=16, max_position_embeddings=32),
 }
-SUPPORTED = tuple(sorted(LAYOUTS))
+NOT_COUNTED = {"falcon": "its attention takes an ALiBi/rotary switch and casts ALiBi to bfloat16; "
+                         "supported by continuity naming only"}
+
+
+SUPPORTED = tuple(sorted(SIZES))
 _REFUSED_IMPL = ("attn_implementation", "_attn_implementation", "experts_implementation", "_experts_implementation")
 
 
+def _family(model_type: str):
+    from flowgeom.hf.families import FAMILIES
+
+    return FAMILIES[model_type]
+
+
+def _has_moe(model_type: str) -> bool:
+    return _family(model_type).mlp == "moe"
+
+
 def parts_of(model_type: str) -> tuple[str, ...]:
-    lay = LAYOUTS[model_type]
-    return tuple(p for p in PARTS if p in ("attention", "block") or getattr(lay, p) is not None)
+    """The parts of ``model_type``: attention and block always, then mlp or moe (per the family table)."""
+    return ("attention", "moe" if _has_moe(model_type) else "mlp", "block")
 
 
 def parse_target(target: str) -> tuple[str, str]:
@@ -118,7 +117,9 @@ def parse_target(target: str) -> tuple[str, str]:
     if len(bits) != 3 or bits[0] != "hf":
         raise FlowgeomError(f"malformed target {target!r}; expected hf:MODEL_TYPE:PART, e.g. hf:llama:attention")
     _, model_type, part = bits
-    if model_type not in LAYOUTS:
+    if model_type in NOT_COUNTED:
+        raise FlowgeomError(f"hf:{model_type} is not counted: {NOT_COUNTED[model_type]}; supported: {', '.join(SUPPORTED)}")
+    if model_type not in SIZES:
         raise FlowgeomError(f"unknown model_type {model_type!r} in {target!r}; supported: {', '.join(SUPPORTED)}")
     if part not in PARTS:
         raise FlowgeomError(f"unknown part {part!r} in {target!r}; parts: {', '.join(PARTS)}")
@@ -175,7 +176,7 @@ def config_overrides(model_type: str, items: list[str] | None) -> dict[str, Any]
 
     if not items:
         return {}
-    base = tiny_config(model_type, **LAYOUTS[model_type].sizes)
+    base = tiny_config(model_type, **SIZES[model_type])
     known = base.to_dict()
     out = {}
     for item in items:
@@ -193,10 +194,24 @@ def config_overrides(model_type: str, items: list[str] | None) -> dict[str, Any]
     return out
 
 
-def _attr(obj: Any, path: str) -> Any:
-    for name in path.split("."):
-        obj = getattr(obj, name)
-    return obj
+def _layer_parts(model: nn.Module, model_type: str) -> tuple[nn.Module, str, tuple[str, ...], nn.Module | None]:
+    """(layer 0, its attention child's name, its MLP/MoE children's names, the model's rotary module or None).
+
+    Found by module class (the family table's attention/MLP classes), not by
+    child names; the rotary embedding is the model's ``*RotaryEmbedding``
+    module outside the layers (transformers 5 keeps it on the model).
+    """
+    fam = _family(model_type)
+    for layer in model.modules():
+        kids = dict(layer.named_children())
+        attn = [n for n, c in kids.items() if type(c).__name__ in fam.attention_classes]
+        if attn:
+            order = {cls: i for i, cls in enumerate(fam.mlp_classes)}
+            mlp = sorted((n for n, c in kids.items() if type(c).__name__ in order), key=lambda n: order[type(kids[n]).__name__])
+            rotary = next((m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")), None)
+            return layer, attn[0], tuple(mlp), rotary
+    raise FlowgeomError(f"no {' or '.join(fam.attention_classes)} found in the tiny {model_type} model; "
+                        "the family table and this transformers version disagree")
 
 
 def _causal_mask(t: int) -> torch.Tensor:
@@ -258,7 +273,7 @@ def closed_form(model_type: str, part: str, config: Any) -> int | None:
     kv = getattr(cfg, "num_key_value_heads", None) or heads
     hd = getattr(cfg, "head_dim", None) or d // heads
     factor = (getattr(cfg, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)
-    r = int(hd * factor) if LAYOUTS[model_type].rotary else 0
+    r = int(hd * factor) if _family(model_type).positions == "rope" else 0
     r -= r % 2
     u = hd - r
     vo = kv * hd * (hd + 1) // 2
@@ -301,7 +316,7 @@ def closed_form(model_type: str, part: str, config: Any) -> int | None:
     if part == "moe":
         return moe()
     if model_type in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe"):
-        a, rest = attention(), (moe() if LAYOUTS[model_type].moe else mlp())
+        a, rest = attention(), (moe() if _has_moe(model_type) else mlp())
         return None if a is None or rest is None else a + rest + 2 * d
     return None
 
@@ -342,8 +357,7 @@ def build(model_type: str, part: str, *, overrides: dict[str, Any] | None = None
     """Tiny random ``model_type`` (float64, eager), its layer-0 ``part`` wrapped as :class:`HFPart`."""
     from flowgeom.hf.tiny import tiny_model
 
-    lay = LAYOUTS[model_type]
-    kwargs = {**lay.sizes, **(overrides or {})}
+    kwargs = {**SIZES[model_type], **(overrides or {})}
     try:
         _check_size(model_type, kwargs)
         model = tiny_model(model_type, seed=seed, dtype=torch.float64, **kwargs)
@@ -358,11 +372,10 @@ def build(model_type: str, part: str, *, overrides: dict[str, Any] | None = None
         sub_config = getattr(sub, "config", None)
         if getattr(sub_config, "_experts_implementation", None) == "eager":
             sub_config._experts_implementation = "batched_mm"
-    layer = _attr(model, lay.layers)[0]
+    layer, attn_name, mlp_names, rotary = _layer_parts(model, model_type)
     hidden = config.hidden_size
     rope = None
-    if lay.rotary and part in ("attention", "block"):
-        rotary = _attr(model, lay.rotary)
+    if rotary is not None and part in ("attention", "block"):
         probe = torch.zeros(1, SEQ_LEN, hidden, dtype=torch.float64)
         with torch.no_grad():
             cos, sin = rotary(probe, torch.arange(SEQ_LEN).unsqueeze(0))  # (1, T, r) each
@@ -370,17 +383,15 @@ def build(model_type: str, part: str, *, overrides: dict[str, Any] | None = None
     if part == "block":
         modules = {"layer": layer}
     elif part == "attention":
-        modules = {lay.attention: getattr(layer, lay.attention)}
+        modules = {attn_name: getattr(layer, attn_name)}
     else:
-        names = getattr(lay, part)
-        names = names if isinstance(names, tuple) else (names,)
-        modules = {n: getattr(layer, n) for n in names}
+        modules = {n: getattr(layer, n) for n in mlp_names}
     causal = model_type != "bert" or bool(getattr(config, "is_decoder", False))  # the tiny BERT is a decoder
     expected = closed_form(model_type, part, config)
     wrapped = HFPart(modules, part=part, hidden=hidden, seq_len=SEQ_LEN, rope=rope, causal=causal,
                      keep_casts=keep_casts, expected_laws=expected).to(torch.float64).eval()
     shown = {k: getattr(config, k) for k in kwargs if hasattr(config, k)}
-    if lay.moe:
+    if _has_moe(model_type):
         shown["_experts_implementation"] = getattr(config, "_experts_implementation", None)
     shown.update(_attn_implementation=config._attn_implementation, dtype="float64", seq_len=SEQ_LEN,
                  casts="kept (module's own float32 ops)" if keep_casts else "run in float64 (keep_dtype)")
