@@ -210,3 +210,30 @@ def test_closed_forms_agree_with_the_located_catalogue(target, items):
     t = resolve_hf(target, config_items=list(items))
     entry = locate(t.module, warn=False)
     assert sum(law.count for law in entry.laws) == t.module.expected_laws
+
+
+def test_curvature_is_not_mistaken_for_rounding_noise():
+    """A steep float64 module: one second difference reads ε²·curvature (> 1e-11) as noise; the estimate cancels it."""
+    from flowgeom.laws.fields import FieldModel
+    from flowgeom.laws.precision import EPS, measure
+
+    class Steep(nn.Module):
+        def __init__(self):
+            super().__init__()
+            g = torch.Generator().manual_seed(0)
+            self.w = nn.Parameter(torch.randn(3, 4, generator=g, dtype=torch.float64))
+            self.v = nn.Parameter(torch.randn(2, 3, generator=g, dtype=torch.float64))
+
+        def forward(self, x):  # x (B, 4)
+            return torch.exp(60.0 * (x @ self.w.T)) @ self.v.T
+
+    model = FieldModel(Steep())
+    theta = model.layout.flatten(dict(model.module.named_parameters())).detach()
+    g = torch.Generator().manual_seed(1)
+    xs, cs = torch.randn(16, 4, generator=g, dtype=torch.float64), torch.randn(16, 2, generator=g, dtype=torch.float64)
+    u = torch.randn(theta.shape, generator=g, dtype=torch.float64) * theta.abs()
+    g0 = model.field(theta, xs, cs)
+    single = (model.field(theta + EPS * u, xs, cs) + model.field(theta - EPS * u, xs, cs) - 2 * g0).norm() / g0.norm()
+    assert single > 1e-11  # the naive estimate would call this module float32
+    prec = measure(model.field, theta, [(xs, cs)], torch.Generator().manual_seed(2), dtype=torch.float64)
+    assert prec.effective == "float64" and prec.noise < 1e-12 and not prec.reduced
