@@ -69,6 +69,7 @@ import torch
 from torch import Tensor
 
 from flowgeom.errors import FlowgeomError
+from flowgeom.laws.batched import Batch, flat, gram_diff, rownorm_diff, sq_norm
 from flowgeom.laws.catalogue import CatalogueEntry, Law
 
 Params = Mapping[str, Tensor]
@@ -82,8 +83,17 @@ def _upper(m: Tensor) -> Tensor:
 
 def _contiguous(idx: Tensor) -> bool:
     """True when the (heads, d) index grid is one increasing run start, start+1, …"""
-    flat = idx.reshape(-1)
-    return flat.numel() > 0 and int(flat[-1] - flat[0]) == flat.numel() - 1 and bool((flat.diff() == 1).all())
+    run = idx.reshape(-1)
+    return run.numel() > 0 and int(run[-1] - run[0]) == run.numel() - 1 and bool((run.diff() == 1).all())
+
+
+def _plan(rows: Tensor) -> tuple[int, int] | Tensor:
+    """How to take ``rows`` (heads, d) from a weight: (start, stop) of a slice when contiguous, else the index."""
+    return (int(rows[0, 0]), int(rows[-1, -1]) + 1) if _contiguous(rows) else rows
+
+
+def _key(which: slice, dims: Tensor | None) -> tuple:
+    return which.start, which.stop, which.step, None if dims is None else tuple(dims.tolist())
 
 
 @dataclass(frozen=True)
@@ -99,13 +109,23 @@ class Proj:
     axis: int = 0
     bias: str | None = None
 
+    def __post_init__(self):
+        object.__setattr__(self, "_plans", {})  # (which, dims) -> (rows, slice bounds or index), computed once
+
+    def _rows(self, which: slice, dims: Tensor | None) -> tuple[Tensor, tuple[int, int] | Tensor]:
+        key = _key(which, dims)
+        if key not in self._plans:
+            rows = self.rows[which] if dims is None else self.rows[which][:, dims]  # (heads, d)
+            self._plans[key] = (rows, _plan(rows))
+        return self._plans[key]
+
     def heads(self, p: Params, *, with_bias: bool = True, dims: Tensor | None = None, which: slice = slice(None)
               ) -> Tensor:
         """(heads, d, d_in[+1]) matrices of the heads ``which``, restricted to ``dims`` of each head."""
-        rows = self.rows[which] if dims is None else self.rows[which][:, dims]  # (heads, d)
+        rows, plan = self._rows(which, dims)
         w = p[self.weight] if self.axis == 0 else p[self.weight].T  # (out, in)
-        if _contiguous(rows):  # a view, no gather (the common separate-projection case)
-            m = w[int(rows[0, 0]):int(rows[-1, -1]) + 1].reshape(*rows.shape, w.shape[1])  # (heads, d, d_in)
+        if isinstance(plan, tuple):  # a view, no gather (the common separate-projection case)
+            m = w[plan[0]:plan[1]].reshape(*rows.shape, w.shape[1])  # (heads, d, d_in)
         else:
             m = w[rows]  # (heads, d, d_in)
         if with_bias and self.bias is not None:
@@ -125,12 +145,18 @@ class OutProj:
     cols: Tensor
     axis: int = 1  # axis of the weight holding the input features (1 Linear, 0 Conv1D)
 
+    def __post_init__(self):
+        object.__setattr__(self, "_plans", {})
+
     def heads(self, p: Params, which: slice = slice(None)) -> Tensor:
         """(heads, d_model, d_v) blocks O_i of the heads ``which``."""
         w = p[self.weight] if self.axis == 1 else p[self.weight].T  # (out, in)
-        cols = self.cols[which]  # (heads, d_v)
-        if _contiguous(cols):
-            return w[:, int(cols[0, 0]):int(cols[-1, -1]) + 1].reshape(w.shape[0], *cols.shape).permute(1, 0, 2)
+        key = _key(which, None)
+        if key not in self._plans:
+            self._plans[key] = (self.cols[which], _plan(self.cols[which]))
+        cols, plan = self._plans[key]  # (heads, d_v)
+        if isinstance(plan, tuple):
+            return w[:, plan[0]:plan[1]].reshape(w.shape[0], *cols.shape).permute(1, 0, 2)
         return w[:, cols].permute(1, 0, 2)  # (heads, d_model, d_v)
 
 
@@ -166,9 +192,10 @@ class AttentionSpec:
             raise FlowgeomError(f"{self.block}: unknown qk_norm {self.qk_norm!r}; choose none, per_head or full")
 
 
-def _law(family: str, name: str, formula: str, count: int, params: tuple[str, ...], fn, status: str = "law") -> Law:
+def _law(family: str, name: str, formula: str, count: int, params: tuple[str, ...], fn, status: str = "law",
+         batch: Batch | None = None) -> Law:
     return Law(family=family, name=name, formula=formula, count=count, params=tuple(dict.fromkeys(params)), fn=fn,
-               status=status)
+               status=status, batch=batch)
 
 
 def _groups(s: AttentionSpec, x: Tensor) -> Tensor:
@@ -197,8 +224,12 @@ def _qk_laws(s: AttentionSpec) -> list[Law]:
                 h = kn - qn
                 return h[:half] + h[half:]  # pair j = dims (j, j + r/2)
 
+            def block_ops(p: Params, g=g) -> tuple[Tensor, Tensor]:
+                return s.k.heads(p, dims=rot, which=slice(g, g + 1)), s.q.heads(p, dims=rot, which=_qs(s, g))
+
             laws.append(_law("attn.qk_rope", f"{s.block} group {g}: ‖K̃_g^(j)‖² − Σ_i∈g ‖Q̃_i^(j)‖²",
-                             f"per rotation pair j < {half} (with biases as a column)", half, qk, block_law))
+                             f"per rotation pair j < {half} (with biases as a column)", half, qk, block_law,
+                             batch=Batch(rownorm_diff, block_ops, (half,))))
         if d - r:
             n = d - r
 
@@ -208,8 +239,13 @@ def _qk_laws(s: AttentionSpec) -> list[Law]:
                 return _upper((Q @ Q.transpose(-1, -2)).sum(0) - K @ K.T)
 
             where = "" if not r else f" on the {n} unrotated dims"
+            def matrix_ops(p: Params, g=g) -> tuple[Tensor, Tensor]:
+                return (s.q.heads(p, dims=free, which=_qs(s, g)),
+                        s.k.heads(p, with_bias=False, dims=free, which=slice(g, g + 1)))
+
             laws.append(_law("attn.qk", f"{s.block} group {g}: Σ_i∈g Q̃_iQ̃_iᵀ − K_gK_gᵀ{where}",
-                             "Σ_i∈g [Q_i|bq_i][Q_i|bq_i]ᵀ − K_gK_gᵀ", n * (n + 1) // 2, qk, matrix_law))
+                             "Σ_i∈g [Q_i|bq_i][Q_i|bq_i]ᵀ − K_gK_gᵀ", n * (n + 1) // 2, qk, matrix_law,
+                             batch=Batch(gram_diff, matrix_ops)))
             if s.k.bias is not None:
                 kb = s.k.bias
 
@@ -217,7 +253,8 @@ def _qk_laws(s: AttentionSpec) -> list[Law]:
                     return p[kb][s.k.rows[g, free]]  # (n,)
 
                 laws.append(_law("attn.k_bias", f"{s.block} group {g}: bk_g{where} (softmax shift, gradient ≡ 0)",
-                                 "bk_g component by component", n, (kb,), kbias))
+                                 "bk_g component by component", n, (kb,), kbias,
+                                 batch=Batch(flat, lambda p, f=kbias: (f(p),))))
     return laws
 
 
@@ -230,22 +267,28 @@ def _qk_norm_laws(s: AttentionSpec) -> list[Law]:
     exact = s.norm_eps == 0
     if s.qk_norm == "per_head" and exact:
         laws.append(_law("attn.q_scale", f"{s.block}: ‖Q_i‖²_F per query head (RMSNorm scale invariance)",
-                         "‖Q_i‖²_F, i < H", H, s.q.params, lambda p: (s.q.heads(p, with_bias=False) ** 2).sum((1, 2))))
+                         "‖Q_i‖²_F, i < H", H, s.q.params, lambda p: (s.q.heads(p, with_bias=False) ** 2).sum((1, 2)),
+                         batch=Batch(sq_norm, lambda p: (s.q.heads(p, with_bias=False),))))
         laws.append(_law("attn.k_scale", f"{s.block}: ‖K_g‖²_F per K/V head (RMSNorm scale invariance)",
-                         "‖K_g‖²_F, g < G", G, s.k.params, lambda p: (s.k.heads(p, with_bias=False) ** 2).sum((1, 2))))
+                         "‖K_g‖²_F, g < G", G, s.k.params, lambda p: (s.k.heads(p, with_bias=False) ** 2).sum((1, 2)),
+                         batch=Batch(sq_norm, lambda p: (s.k.heads(p, with_bias=False),))))
     if s.qk_norm == "per_head":
         def gamma(p: Params) -> Tensor:
             h = p[qn] ** 2 - p[kn] ** 2  # (d,)
             return torch.cat([h[:half] + h[half:r], h[r:]])
 
         laws.append(_law("attn.qk_norm_gamma", f"{s.block}: ‖γ_q^(j)‖² − ‖γ_k^(j)‖²",
-                         "per rotation pair j (and per unrotated dim)", half + d - r, (qn, kn), gamma))
+                         "per rotation pair j (and per unrotated dim)", half + d - r, (qn, kn), gamma,
+                         batch=Batch(rownorm_diff, lambda p: (p[qn].reshape(1, d, 1), p[kn].reshape(1, d, 1)),
+                                     (half,))))
         return laws
     if exact:  # full width
         laws.append(_law("attn.q_scale", f"{s.block}: ‖W_Q‖²_F (full-width RMSNorm scale invariance)", "‖W_Q‖²_F", 1,
-                         s.q.params, lambda p: (s.q.heads(p, with_bias=False) ** 2).sum().reshape(1)))
+                         s.q.params, lambda p: (s.q.heads(p, with_bias=False) ** 2).sum().reshape(1),
+                         batch=Batch(sq_norm, lambda p: (s.q.heads(p, with_bias=False)[None],))))
         laws.append(_law("attn.k_scale", f"{s.block}: ‖W_K‖²_F (full-width RMSNorm scale invariance)", "‖W_K‖²_F", 1,
-                         s.k.params, lambda p: (s.k.heads(p, with_bias=False) ** 2).sum().reshape(1)))
+                         s.k.params, lambda p: (s.k.heads(p, with_bias=False) ** 2).sum().reshape(1),
+                         batch=Batch(sq_norm, lambda p: (s.k.heads(p, with_bias=False)[None],))))
 
     def gamma_full(p: Params) -> Tensor:
         gq = (_groups(s, p[qn].reshape(H, d)) ** 2).sum(1)  # (G, d) Σ_i∈g γ_q²
@@ -266,8 +309,12 @@ def _vo_laws(s: AttentionSpec) -> list[Law]:
             O = s.o.heads(p, which=_qs(s, g))  # (H/G, d_model, d_v)
             return _upper(V @ V.T - (O.transpose(-1, -2) @ O).sum(0))
 
+        def vo_ops(p: Params, g=g) -> tuple[Tensor, Tensor]:
+            return s.v.heads(p, which=slice(g, g + 1)), s.o.heads(p, which=_qs(s, g)).transpose(-1, -2)
+
         laws.append(_law("attn.vo", f"{s.block} group {g}: Ṽ_gṼ_gᵀ − Σ_i∈g O_iᵀO_i",
-                         "[V_g|bv_g][V_g|bv_g]ᵀ − Σ_i∈g O_iᵀO_i", d * (d + 1) // 2, s.v.params + (s.o.weight,), vo))
+                         "[V_g|bv_g][V_g|bv_g]ᵀ − Σ_i∈g O_iᵀO_i", d * (d + 1) // 2, s.v.params + (s.o.weight,), vo,
+                         batch=Batch(gram_diff, vo_ops)))
     return laws
 
 
@@ -276,17 +323,19 @@ def attention_entry(s: AttentionSpec) -> CatalogueEntry:
     laws = (_qk_laws(s) if s.qk_norm == "none" else _qk_norm_laws(s)) + _vo_laws(s)
     if s.qk_norm == "none":
         q_ctl = _law("norm.W_Q", f"{s.block}: ‖W_Q‖²_F", "‖W_Q‖²_F (not conserved)", 1, (s.q.weight,),
-                     lambda p: (s.q.heads(p, with_bias=False) ** 2).sum().reshape(1), "control")
+                     lambda p: (s.q.heads(p, with_bias=False) ** 2).sum().reshape(1), "control",
+                     Batch(sq_norm, lambda p: (s.q.heads(p, with_bias=False)[None],)))
     else:
         q_ctl = _law("norm.q_norm", f"{s.block}: ‖γ_q‖²", "‖γ_q‖² (not conserved)", 1, (s.q_norm,),
-                     lambda p: (p[s.q_norm] ** 2).sum().reshape(1), "control")
+                     lambda p: (p[s.q_norm] ** 2).sum().reshape(1), "control",
+                     Batch(sq_norm, lambda p: (p[s.q_norm][None],)))
     # V side: one K/V head (one row under MQA), not all of W_V — a norm after the attention output
     # (Gemma2's post_attention_layernorm) makes ‖W_V‖²_F itself conserved up to its eps.
     v_rows = slice(None) if s.kv_heads > 1 else slice(0, 1)
     what = "‖V_0‖²_F" if s.kv_heads > 1 else "‖V_0[0,:]‖²"
     v_ctl = _law("norm.W_V", f"{s.block}: {what}", f"{what} (not conserved)", 1, (s.v.weight,),
                  lambda p: (s.v.heads(p, with_bias=False, which=slice(0, 1))[0, v_rows] ** 2).sum().reshape(1),
-                 "control")
+                 "control", Batch(sq_norm, lambda p: (s.v.heads(p, with_bias=False, which=slice(0, 1))[:, v_rows],)))
     notes = ()
     if s.qk_norm != "none" and s.norm_eps:
         notes = (f"{s.block}: QK RMSNorm eps = {s.norm_eps:g} — the scale laws ‖Q‖²_F, ‖K‖²_F hold only up to "
@@ -318,7 +367,17 @@ def gated_mlp_entry(s: GatedMLPSpec) -> CatalogueEntry:
     def fn(p: Params) -> Tensor:
         return (p[s.up][s.up_rows] ** 2).sum(1) - (p[s.down] ** 2).sum(0)  # (m,)
 
-    law = _law("mlp.gated", f"{s.block}: ‖up[i,:]‖² − ‖down[:,i]‖²", f"per hidden unit i < {m}", m, (s.up, s.down), fn)
+    up_plan, gate_plan = _plan(s.up_rows[None]), _plan(s.gate_rows[None])
+
+    def take(w: Tensor, plan: tuple[int, int] | Tensor) -> Tensor:
+        return w[plan[0]:plan[1]] if isinstance(plan, tuple) else w[plan[0]]  # (rows, d_in), a view when contiguous
+
+    def ops(p: Params) -> tuple[Tensor, Tensor]:
+        return take(p[s.up], up_plan)[None], p[s.down].T[None]  # (1, m, d_in), (1, m, d_model)
+
+    law = _law("mlp.gated", f"{s.block}: ‖up[i,:]‖² − ‖down[:,i]‖²", f"per hidden unit i < {m}", m, (s.up, s.down), fn,
+               batch=Batch(rownorm_diff, ops))
     ctl = _law("norm.gate", f"{s.block}: ‖gate‖²_F", "‖gate‖²_F (not conserved)", 1, (s.gate,),
-               lambda p: (p[s.gate][s.gate_rows] ** 2).sum().reshape(1), "control")
+               lambda p: (p[s.gate][s.gate_rows] ** 2).sum().reshape(1), "control",
+               Batch(sq_norm, lambda p: (take(p[s.gate], gate_plan)[None],)))
     return CatalogueEntry((law,), (ctl,), ())

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from flowgeom.laws.batched import Batch, gram_diff, rownorm_diff, sq_norm
 from flowgeom.nn.attention import MultiHeadAttention
 from flowgeom.nn.feedforward import FeedForward, LinearChain, SwiGLU
 from flowgeom.nn.moe import MixtureOfExperts
@@ -59,7 +60,9 @@ class Law:
     """One family of conserved (or claimed/control) quantities of a block.
 
     ``evaluate(params)`` returns a vector of ``count`` scalars; ``params``
-    maps full parameter names (with the block prefix) to tensors.
+    maps full parameter names (with the block prefix) to tensors. ``batch``
+    (optional) is the same law in vectorised form, used by the monitor to
+    evaluate all same-shaped laws at once (:mod:`flowgeom.laws.batched`).
     """
 
     family: str
@@ -70,6 +73,7 @@ class Law:
     fn: Callable[[Params], Tensor] = field(repr=False, compare=False)
     status: str = "law"  # "law" | "control" (not conserved) | "refuted" (claimed, measured false)
     note: str = ""
+    batch: Batch | None = field(default=None, repr=False, compare=False)
 
     def evaluate(self, params: Params) -> Tensor:
         return self.fn(params)
@@ -105,6 +109,7 @@ def norm_control(prefix: str, pname: str, label: str) -> Law:
     return Law(
         family="control", name=f"‖{full}‖²_F", formula=f"‖{label}‖²_F (not conserved)", count=1, params=(full,),
         fn=lambda p: (p[full] ** 2).sum().reshape(1), status="control",
+        batch=Batch(sq_norm, lambda p: (p[full][None],)),
     )
 
 
@@ -117,11 +122,15 @@ def _rescale_law(prefix: str, family: str, up: str, down: str, bias: str | None,
         h = (p[up] ** 2).sum(1) - (p[down] ** 2).sum(0)  # (width,)
         return h + p[bias] ** 2 if bias else h
 
+    def operands(p: Params) -> tuple[Tensor, ...]:
+        a = torch.cat([p[up], p[bias][:, None]], dim=1) if bias else p[up]  # (width, d_in[+1])
+        return a[None], p[down].T[None]  # (1, width, ·) each
+
     b_txt = " + b_i²" if bias else ""
     return Law(
         family=family, name=f"‖{up}[i,:]‖²{b_txt} − ‖{down}[:,i]‖²",
         formula=f"‖{up}[i,:]‖²{b_txt} − ‖{down}[:,i]‖², i < {width}", count=width,
-        params=(up, down) + ((bias,) if bias else ()), fn=fn,
+        params=(up, down) + ((bias,) if bias else ()), fn=fn, batch=Batch(rownorm_diff, operands),
     )
 
 
@@ -139,11 +148,15 @@ def _ffn(m: FeedForward, prefix: str) -> CatalogueEntry:
             v = torch.cat([p[up], p[b][:, None]], dim=1) if b else p[up]  # (r, d_in[+1])
             return _upper(v @ v.T - p[down].T @ p[down])  # (r(r+1)/2,)
 
+        def operands(p: Params) -> tuple[Tensor, ...]:
+            v = torch.cat([p[up], p[b][:, None]], dim=1) if b else p[up]  # (r, d_in[+1])
+            return v[None], p[down].T[None]
+
         v_txt = f"[{up} | b]" if b else up
         law = Law(
             family="linear.gram", name=f"{v_txt}·{v_txt}ᵀ − {down}ᵀ·{down}",
             formula=f"V Vᵀ − Uᵀ U (r×r symmetric, r = {r})", count=r * (r + 1) // 2,
-            params=(up, down) + ((b,) if b else ()), fn=fn,
+            params=(up, down) + ((b,) if b else ()), fn=fn, batch=Batch(gram_diff, operands),
             note="independent when r ≤ min(d_in, d_out)",
         )
         return CatalogueEntry((law,), controls, ())
@@ -174,6 +187,7 @@ def attention_laws(m: MultiHeadAttention, prefix: str) -> CatalogueEntry:
                 family="attn.qk_rope", name=f"head {i}: ‖Q_{i}^(j)‖²_F − ‖K_{i}^(j)‖²_F",
                 formula=f"‖{q}[rows j, j+{half} of head {i}]‖²_F − same for {k}, j < {half}",
                 count=half, params=(q, k), fn=qk,
+                batch=Batch(rownorm_diff, lambda p, qs=qs: (p[q][qs][None], p[k][qs][None]), (half,)),
             ))
         else:
             def qk(p: Params, qs=qs) -> Tensor:
@@ -184,6 +198,7 @@ def attention_laws(m: MultiHeadAttention, prefix: str) -> CatalogueEntry:
                 family="attn.qk", name=f"head {i}: Q_{i}Q_{i}ᵀ − K_{i}K_{i}ᵀ",
                 formula=f"Q_iQ_iᵀ − K_iK_iᵀ, Q_i = {q}[{qs.start}:{qs.stop}, :] (paper: Q_iᵀQ_i − K_iᵀK_i)",
                 count=dk * (dk + 1) // 2, params=(q, k), fn=qk,
+                batch=Batch(gram_diff, lambda p, qs=qs: (p[q][qs][None], p[k][qs][None])),
             ))
 
         def vo(p: Params, vs=vs) -> Tensor:
@@ -194,6 +209,7 @@ def attention_laws(m: MultiHeadAttention, prefix: str) -> CatalogueEntry:
             family="attn.vo", name=f"head {i}: V_{i}V_{i}ᵀ − O_{i}ᵀO_{i}",
             formula=f"V_iV_iᵀ − O_iᵀO_i, V_i = {v}[{vs.start}:{vs.stop}, :], O_i = {o}[:, {vs.start}:{vs.stop}]",
             count=dv * (dv + 1) // 2, params=(v, o), fn=vo,
+            batch=Batch(gram_diff, lambda p, vs=vs: (p[v][vs][None], p[o][:, vs].T[None])),
         ))
     controls = (norm_control(prefix, "q_proj.weight", "W_Q"),)
     return CatalogueEntry(tuple(laws), controls, (), ("counts independent when d_k, d_v < d_model",))
@@ -258,7 +274,8 @@ def _chain(m: LinearChain, prefix: str) -> CatalogueEntry:
             return _upper(p[a] @ p[a].T - p[b].T @ p[b])  # (d(d+1)/2,)
 
         laws.append(Law(family="linear.gram", name=f"W_{l}W_{l}ᵀ − W_{l + 1}ᵀW_{l + 1}",
-                        formula=f"{a}·{a}ᵀ − {b}ᵀ·{b} ({d}×{d} symmetric)", count=d * (d + 1) // 2, params=(a, b), fn=fn))
+                        formula=f"{a}·{a}ᵀ − {b}ᵀ·{b} ({d}×{d} symmetric)", count=d * (d + 1) // 2, params=(a, b), fn=fn,
+                        batch=Batch(gram_diff, lambda p, a=a, b=b: (p[a][None], p[b].T[None]))))
     controls = (norm_control(prefix, "layers.0.weight", "W_0"),)
     return CatalogueEntry(tuple(laws), controls, (), ("independent when each inner width ≤ its neighbours",))
 

@@ -55,6 +55,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from flowgeom.laws.batched import Batch, gram_diff
 from flowgeom.laws.catalogue import CatalogueEntry, Law, Params, norm_control
 
 # LoRA variants (PEFT ``lora_variant[adapter]`` classes) whose output reads A and B only through B A.
@@ -83,10 +84,15 @@ def gram_law(a_name: str, b_name: str, rank: int, *, label: str) -> Law:
         i, j = torch.triu_indices(rank, rank)
         return g[i, j]
 
+    def operands(p: Params) -> tuple[torch.Tensor, torch.Tensor]:
+        A = p[a_name].reshape(rank, -1)  # (r, d_in·k…)
+        B = p[b_name].reshape(p[b_name].shape[0], rank)  # (d_out, r)
+        return A[None], B.T[None]  # (1, r, ·) each
+
     return Law(
         family="lora.gram", name=f"{label}: A Aᵀ − BᵀB",
         formula=f"A Aᵀ − BᵀB, A = {a_name} (r={rank}), B = {b_name} (r×r symmetric)",
-        count=rank * (rank + 1) // 2, params=(a_name, b_name), fn=fn,
+        count=rank * (rank + 1) // 2, params=(a_name, b_name), fn=fn, batch=Batch(gram_diff, operands),
         note="independent when r ≤ min(d_in, d_out)",
     )
 

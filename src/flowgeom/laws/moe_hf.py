@@ -65,6 +65,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from flowgeom.laws.batched import Batch, col_sum, flat, rownorm_diff, sq_norm
 from flowgeom.laws.catalogue import CatalogueEntry, Law, Params, norm_control
 
 # Router classes whose forward is exactly softmax → top-k → (optional) renormalise.
@@ -111,6 +112,7 @@ def fused_expert_laws(prefix: str, n_experts: int, width: int) -> tuple[Law, ...
             family="moe.expert_up_down", name=f"expert {e}: ‖up_{e}[i,:]‖² − ‖down_{e}[:,i]‖²",
             formula=f"‖{gu}[{e}, {width}+i, :]‖² − ‖{down}[{e}, :, i]‖², i < {width}",
             count=width, params=(gu, down), fn=fn,
+            batch=Batch(rownorm_diff, lambda p, e=e: (p[gu][e, width:][None], p[down][e].T[None])),  # (1, m, d) each
         ))
     return tuple(laws)
 
@@ -123,11 +125,12 @@ def router_law(prefix: str, layout: MoELayout) -> Law:
             family="moe.router_frozen", name=f"every {w}[e, j] (top-1 renormalised: gate ≡ 1)",
             formula=f"{w}[e, j] for all e, j: the selected expert's weight is p_e/p_e ≡ 1, the router gets no gradient",
             count=layout.experts * layout.hidden, params=(w,), fn=lambda p: p[w].reshape(-1),
+            batch=Batch(flat, lambda p: (p[w],)),
         )
     return Law(
         family="moe.router_sum", name=f"Σ_e {w}[e,:]",
         formula="Σ_e router[e, :] (softmax is invariant to adding one vector to every router row)",
-        count=layout.hidden, params=(w,), fn=lambda p: p[w].sum(0),
+        count=layout.hidden, params=(w,), fn=lambda p: p[w].sum(0), batch=Batch(col_sum, lambda p: (p[w],)),
         note="router softmax runs in float32 in transformers: holds to ~1e-7 relative",
     )
 
@@ -138,6 +141,7 @@ def _gate_slices_control(prefix: str, width: int) -> Law:
         family="norm.expert_gates", name=f"Σ_e ‖{gu}[e, :{width}]‖²_F",
         formula="Σ_e ‖gate_e‖²_F over every expert's gate rows (not conserved)", count=1, params=(gu,),
         fn=lambda p: (p[gu][:, :width] ** 2).sum().reshape(1), status="control",
+        batch=Batch(sq_norm, lambda p: (p[gu][:, :width][None],)),
     )
 
 
@@ -148,6 +152,7 @@ def _shared_expert_law(prefix: str, width: int) -> Law:
         formula=f"‖{up}[i,:]‖² − ‖{down}[:,i]‖², i < {width} (shared expert, any gate activation)",
         count=width, params=(up, down),
         fn=lambda p: (p[up] ** 2).sum(1) - (p[down] ** 2).sum(0),
+        batch=Batch(rownorm_diff, lambda p: (p[up][None], p[down].T[None])),
     )
 
 

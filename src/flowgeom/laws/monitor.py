@@ -33,9 +33,11 @@ Use in any PyTorch loop::
         mon.step(k)                 # measures (and logs) when k % every == 0
         loss = ...; loss.backward(); opt.step()
 
-Evaluation is vectorised: float64 copies of only the parameters the laws
-read, every law evaluated in one pass under ``no_grad``, then one segmented
-reduction for all the ε's. Keys of a record: ``eps/<family>`` (mean over all
+Evaluation is vectorised: same-shaped laws (e.g. the V/O law of every K/V
+group of every layer) are stacked once into float64 — only the slices they
+read — and evaluated by one kernel call per group
+(:mod:`flowgeom.laws.batched`), then one segmented reduction gives all the
+ε's. A step that is not due costs one modulo. Keys of a record: ``eps/<family>`` (mean over all
 blocks), ``eps/<family>@<block>``, ``control/<family>[@<block>]`` (relative
 change of the non-conserved controls), ``refuted/<family>[@<block>]``
 (claims the catalogue measured false, e.g. the sigmoid-gate router sum),
@@ -57,6 +59,7 @@ import torch
 from torch import Tensor, nn
 
 from flowgeom.errors import FlowgeomError
+from flowgeom.laws.batched import BatchedLaws
 from flowgeom.laws.catalogue import CatalogueEntry, Law
 from flowgeom.laws.locate import Uncovered, locate_blocks
 
@@ -172,6 +175,7 @@ class ConservationMonitor:
                                 "build the laws from this model (ConservationMonitor(model))")
         self._names = sorted({n for t in self.items for n in t.law.params})
         self._params = [named[n] for n in self._names]
+        self._batched = BatchedLaws([t.law for t in self.items], self._detached())
         counts = [t.law.count for t in self.items]
         self._seg = torch.repeat_interleave(torch.arange(len(self.items)), torch.tensor(counts))  # (total,)
         keys = self._group_keys()
@@ -196,11 +200,17 @@ class ConservationMonitor:
             keys.append((family, f"{family}@{t.block}") if self.per_block else (family,))
         return keys
 
+    def _detached(self) -> dict[str, Tensor]:
+        return {n: w.detach() for n, w in zip(self._names, self._params)}
+
     @torch.no_grad()
     def values(self) -> Tensor:
-        """Every tracked quantity at the current θ, float64, concatenated: (total,)."""
-        p = {n: w.detach().to(torch.float64) for n, w in zip(self._names, self._params)}
-        return torch.cat([t.law.evaluate(p).reshape(-1).to("cpu") for t in self.items])
+        """Every tracked quantity at the current θ, float64, concatenated: (total,).
+
+        Same-shaped laws are evaluated together (:class:`flowgeom.laws.batched.BatchedLaws`):
+        one float64 stack of the slices they read, one kernel call per group.
+        """
+        return self._batched(self._detached())
 
     def reset(self) -> None:
         """Take the current parameters as θ_0."""
