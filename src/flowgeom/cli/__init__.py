@@ -28,7 +28,8 @@ from flowgeom.errors import FlowgeomError
 AREAS = ("laws", "conserve", "continuity", "langevin", "reproduce", "demo")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(areas: Sequence[str] = AREAS) -> argparse.ArgumentParser:
+    """The ``flowgeom`` parser with the sub-commands of ``areas`` (default: all)."""
     parser = OneLineParser(
         prog="flowgeom",
         description="Geometry of training dynamics: conservation laws, cross-layer continuity, "
@@ -40,10 +41,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true",
                         help="show the Python traceback of an unexpected error (also FLOWGEOM_DEBUG=1)")
     sub = parser.add_subparsers(dest="area", metavar="AREA")
-    for area in AREAS:
+    for area in areas:
         module = importlib.import_module(f"flowgeom.cli.{area}")
         module.register(sub)
     return parser
+
+
+def _areas_needed(argv: Sequence[str]) -> tuple[str, ...]:
+    """Only the named area's module when ``argv`` names one (lazy imports: a command does
+    not pay for the other areas' imports); every area for top-level help, version, or a
+    mistyped area (so the error lists the valid ones)."""
+    for token in argv:
+        if token in ("-h", "--help"):
+            return AREAS
+        if not token.startswith("-"):
+            return (token,) if token in AREAS else AREAS
+    return AREAS
 
 
 INTERNAL_ERROR = "internal error"  # the guard's marker; tests/hostile assert it never appears
@@ -63,7 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = _debug_wanted(argv)
     try:
-        parser = build_parser()
+        parser = build_parser(_areas_needed(argv))
         args = parser.parse_args(argv)
         if not getattr(args, "func", None):
             # `flowgeom` or `flowgeom AREA` alone: show the relevant help.
