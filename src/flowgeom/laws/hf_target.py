@@ -11,8 +11,13 @@ it in :class:`HFPart`, whose forward takes a plain ``(B, T, d)`` tensor:
   causal mask as an additive ``(1, 1, T, T)`` tensor (BERT too: the tiny BERT is
   a decoder);
 - mlp / moe: the layer's MLP or sparse-MoE block (MoE blocks return the
-  hidden states only);
+  hidden states only; experts run transformers' ``batched_mm`` implementation,
+  the same function as the eager loop, which ``vmap`` cannot batch);
 - block: the whole decoder layer (norms, residuals, attention, MLP or MoE).
+
+Which part is which comes from the one family table,
+:mod:`flowgeom.hf.families` (module classes, not child names); this module
+only keeps the count-sized config overrides (:data:`SIZES`).
 
 Precision. Eager attention computes ``softmax(..., dtype=float32)``, the
 RMSNorms upcast to float32 and MoE routers call ``.float()``: inside a
@@ -33,9 +38,14 @@ dims of which r/2 rotation pairs, u = d_h − r unrotated dims; derivations in
   per group when some dims are not rotated;
 - per-head QK-norm with RoPE (Qwen3): d_h/2 (γ_q, γ_k pairs) + Σ_g d_h(d_h+1)/2,
   plus H + n_kv scale laws ‖Q_i‖², ‖K_g‖² when ``rms_norm_eps`` = 0;
+- full-width QK-norm (OLMoE): n_kv·d_h/2 + Σ_g d_h(d_h+1)/2, plus ‖W_Q‖², ‖W_K‖²
+  when eps = 0;
 - no positions with biases (GPT-2): H·(d_h(d_h+1)/2 + d_h + d_h(d_h+1)/2), the
-  middle term being the k bias, whose gradient is identically zero;
+  middle term being the k bias, whose gradient is identically zero; BERT adds
+  H·d_h + 1 (the LayerNorm after the output dense ignores c·1); GPT-NeoX
+  (partial rotary, biases): H·(r/2 + u(u+1)/2 + u + d_h(d_h+1)/2);
 - gated MLP (SwiGLU / GeGLU): intermediate_size; GELU MLP (GPT-2, GPT-NeoX): 0;
+  BERT: intermediate_size + 1;
 - softmax top-k MoE: d (router rows' sum) + E·m (+ the shared expert's width
   for Qwen2-MoE; its sigmoid gate has none);
 - RMSNorm decoder block (Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE,
@@ -64,8 +74,8 @@ SEQ_LEN = 4  # tokens per sampled input
 
 # initializer_range 0.5 (HF default 0.02): attention logits of order one, not a near-uniform softmax whose
 # brackets are tiny; count's random point keeps each tensor's scale.
-_SMALL_DECODER = dict(initializer_range=0.5, hidden_size=8, num_attention_heads=2, num_key_value_heads=2, head_dim=4, intermediate_size=6,
-                      num_hidden_layers=1, vocab_size=16, max_position_embeddings=32)
+_SMALL_DECODER = dict(initializer_range=0.5, hidden_size=8, num_attention_heads=2, num_key_value_heads=2, head_dim=4,
+                      intermediate_size=6, num_hidden_layers=1, vocab_size=16, max_position_embeddings=32)
 
 
 _MOE_SIZES = dict(_SMALL_DECODER, intermediate_size=3)
