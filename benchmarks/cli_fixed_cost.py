@@ -12,6 +12,17 @@ construction, warm-ups), not work. Usage::
 
 ``python -X importtime -m flowgeom ARGS 2> imports.txt`` then shows where
 the import time of one command goes.
+
+Where the fixed cost goes (2026-12-01, torch 2.13 CPU): ``import torch`` is
+almost all of it (the CLI's own modules add ~0.1–0.2 s; since then a command
+imports only its own area). ``laws count``'s "torch.func warm-up" is not a
+flowgeom warm-up: the first reverse-mode ``torch.func.grad`` call enters
+``torch._dynamo.compiled_autograd._disable()`` inside functorch's
+``_autograd_grad``, which imports all of ``torch._dynamo`` (1.5–4 s, once per
+process; measure with ``python -c "import torch, time; t = time.time();
+import torch._dynamo; print(time.time() - t)"``). flowgeom has no warm-up of its
+own to remove; avoiding that import needs reverse mode without ``torch.func``
+(a rewrite of ``laws/fields.py``) or patching torch.
 """
 
 from __future__ import annotations
