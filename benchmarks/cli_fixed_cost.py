@@ -39,7 +39,7 @@ from pathlib import Path
 
 BASELINE = ("import torch", [sys.executable, "-c", "import torch"])
 COMMANDS = {
-    "--help": ["--help"],
+    "flowgeom --help": ["--help"],
     "laws list": ["laws", "list"],
     "laws count relu2": ["laws", "count", "relu2", "--d-in", "4", "--width", "4", "--d-out", "3"],
     "continuity analyze minilm": ["continuity", "analyze", "builtin:minilm", "--k", "2"],
