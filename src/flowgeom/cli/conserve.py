@@ -34,6 +34,27 @@ def _progress(enabled: bool):
         yield lambda msg: status.update(msg)
 
 
+@contextmanager
+def _quiet_uncovered():
+    """Hold back the per-run FlowgeomWarnings of uncovered blocks: run_cmd prints them once, after the grid."""
+    import warnings
+
+    from flowgeom.laws.locate import FlowgeomWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FlowgeomWarning)
+        yield
+
+
+def _uncovered(rows: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """The distinct [{block, reason}] of every run (blocks no law covers: not measured)."""
+    seen: dict[tuple[str, str], dict[str, str]] = {}
+    for r in rows:
+        for u in r.get("uncovered", []):
+            seen.setdefault((u["block"], u["reason"]), u)
+    return list(seen.values())
+
+
 def _threads(args: argparse.Namespace) -> None:
     """Apply --threads and validate --device (one clear error when CUDA is asked for but absent)."""
     resolve_device(args.device)
@@ -70,7 +91,7 @@ def run_cmd(args: argparse.Namespace) -> int:
     base = _run_base(args, preset)
     out = Path(args.out)
     rows = []
-    with _progress(not args.json) as say:
+    with _progress(not args.json) as say, _quiet_uncovered():
         for regime in regimes:
             for arch in archs:
                 data = args.images if ARCHS[arch]["task"] == "vit" else args.text
@@ -83,7 +104,12 @@ def run_cmd(args: argparse.Namespace) -> int:
         sel = [r for r in rows if r["regime"] == regime]
         figures[regime] = str(plot_grid(sel, out / "figures" / f"drift_{regime}.png",
                                         title=f"{'full-batch GD' if regime == 'gd' else 'mini-batch SGD'}, {base.optimizer}"))
-    payload = {"out": str(out), "config": dataclasses.asdict(base), "runs": rows, "figures": figures}
+    uncovered = _uncovered(rows)
+    payload = {"out": str(out), "config": dataclasses.asdict(base), "runs": rows, "figures": figures,
+               "uncovered": uncovered}
+    if uncovered:  # once for the whole grid
+        print("flowgeom: warning: not covered by any law, not measured: "
+              + "; ".join(f"{u['block'] or '<model>'} ({u['reason']})" for u in uncovered), file=sys.stderr)
     if args.json:
         print_json(payload)
     else:

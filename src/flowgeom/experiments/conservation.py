@@ -235,7 +235,8 @@ def run_conservation(cfg: ConservationConfig, out: str | Path, *, resume: bool =
     opt = make_optimizer(cfg, model.parameters())
     if cfg.optimizer != "sgd" or cfg.weight_decay:
         warn_plain_gd_only(opt)
-    monitors = {"": ConservationMonitor(model, every=cfg.log_every, per_block=True, warn=False)}
+    # warn=True: each block no law covers is warned about (FlowgeomWarning) and listed in the summary
+    monitors = {"": ConservationMonitor(model, every=cfg.log_every, per_block=True, warn=True, optimizer=opt)}
     if cfg.weight_decay:
         monitors["wd/"] = ConservationMonitor(model, every=cfg.log_every, per_block=False, warn=False,
                                               weight_decay=cfg.weight_decay, lr=cfg.lr)
@@ -281,7 +282,8 @@ def run_conservation(cfg: ConservationConfig, out: str | Path, *, resume: bool =
             return None
     metrics = run.metrics()
     summary = {"final": metrics[-1], "steps": cfg.steps, "families": monitors[""].families("eps"),
-               "controls": monitors[""].families("control"), "refuted": monitors[""].families("refuted")}
+               "controls": monitors[""].families("control"), "refuted": monitors[""].families("refuted"),
+               "uncovered": monitors[""].uncovered_list()}
     figure = plot_run(metrics, run.figures / "drift.png", title=_title(cfg))
     summary["figure"] = str(figure)
     run.finish(summary)
@@ -343,6 +345,7 @@ def run_grid(base: ConservationConfig, out: str | Path, *, archs: Sequence[str],
                 try:
                     summary = run_conservation(cfg, path, resume=resume)
                     row.update({k: v for k, v in summary["final"].items() if "@" not in k})
+                    row["uncovered"] = summary.get("uncovered", [])  # [{block, reason}]: not measured
                 except FlowgeomError as exc:
                     if "diverged" not in str(exc):
                         raise
