@@ -15,13 +15,6 @@ from flowgeom.cli._common import (
 )
 from flowgeom.errors import FlowgeomError
 
-QUICK_RUN = {"archs": None, "lrs": (0.05, 0.2), "seeds": 1, "steps": 100, "regimes": ("gd", "sgd")}
-FULL_RUN = {"archs": None, "lrs": (0.01, 0.03, 0.1), "seeds": 10, "steps": 20_000, "regimes": ("gd", "sgd")}
-# Paper scale (seed 000): a 12-layer LM on WikiText-103 (--text PATH) and a ViT on ImageNet (--images PATH).
-FULL_MODEL = {"d_model": 512, "n_layers": 12, "heads": 8, "d_k": 64, "d_hidden": 1376, "seq_len": 256, "batch": 64,
-              "corpus_chars": 0, "n_train": 1_281_167, "log_every": 100, "checkpoint_every": 1000}
-
-
 @contextmanager
 def _progress(enabled: bool):
     """A rich status line on stderr (silent when stderr is not a terminal)."""
@@ -61,33 +54,31 @@ def _threads(args: argparse.Namespace) -> None:
     apply_threads(args.threads)
 
 
-def _run_base(args: argparse.Namespace, preset: dict[str, Any]):
-    from flowgeom.experiments.conservation import ConservationConfig
-
-    model = FULL_MODEL if args.full else {}
-    return ConservationConfig(
-        steps=preset["steps"] if args.steps is None else args.steps, optimizer=args.optimizer, weight_decay=args.weight_decay,
-        schedule=args.schedule, batch=model.get("batch", 32) if args.batch is None else args.batch, device=args.device, dtype=args.dtype,
-        patch=args.patch,
-        **{k: v for k, v in model.items() if k != "batch"},
-    )
+def _run_base(args: argparse.Namespace, preset):
+    """The preset's nested run config with the flags that were given (one flag, one field)."""
+    flags = {"steps": preset.steps if args.steps is None else args.steps, "optimizer": args.optimizer,
+             "weight_decay": args.weight_decay, "schedule": args.schedule, "device": args.device, "dtype": args.dtype,
+             "patch": args.patch}
+    if args.batch is not None:
+        flags["batch"] = args.batch
+    return preset.model.replace(**flags)
 
 
 def run_cmd(args: argparse.Namespace) -> int:
-    from flowgeom.experiments.conservation import ARCHS, plot_grid, run_grid
+    from flowgeom.experiments.conservation import ARCHS, FULL, QUICK, plot_grid, run_grid
 
     _threads(args)
-    preset = FULL_RUN if args.full else QUICK_RUN
+    preset = FULL if args.full else QUICK
     archs = args.arch or [a for a in ARCHS if args.task in ("both", ARCHS[a]["task"])]
     unknown = [a for a in archs if a not in ARCHS]
     if unknown:
         raise FlowgeomError(f"unknown --arch {unknown[0]!r}; choose from {', '.join(ARCHS)}")
-    lrs = args.lr or list(preset["lrs"])
-    seeds = [args.seed + i for i in range(preset["seeds"] if args.seeds is None else args.seeds)]
+    lrs = args.lr or list(preset.lrs)
+    seeds = [args.seed + i for i in range(preset.seeds if args.seeds is None else args.seeds)]
     if seeds[-1] >= 2**63:
         raise FlowgeomError(f"--seed {args.seed} with --seeds {len(seeds)} reaches seed {seeds[-1]} >= 2**63; "
                             "lower --seed")
-    regimes = [args.regime] if args.regime != "both" else list(preset["regimes"])
+    regimes = [args.regime] if args.regime != "both" else list(preset.regimes)
     base = _run_base(args, preset)
     out = Path(args.out)
     rows = []

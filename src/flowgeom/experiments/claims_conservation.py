@@ -31,12 +31,19 @@ def _finite(x: Any) -> Any:
 # ---- the O(τ²k) law ----------------------------------------------------------------------------
 
 
+def scaling_config(config: Mapping[str, Any]):
+    """The :class:`~flowgeom.experiments.scaling.ScalingConfig` of one claim run: the scale's preset on one arch."""
+    from flowgeom.experiments import scaling
+
+    base = scaling.QUICK if config["scale"] == "quick" else scaling.FULL
+    return dataclasses.replace(base, archs=(config["arch"],), decay_steps=config["decay_steps"])
+
+
 def run_scaling_claim(config: Mapping[str, Any], folder: RunFolder, resume: bool) -> dict[str, Any]:
     """run_scaling on one architecture; ``config = {"arch", "scale", "decay_steps"}``."""
     from flowgeom.experiments import scaling
 
-    base = scaling.QUICK if config["scale"] == "quick" else scaling.FULL
-    cfg = dataclasses.replace(base, archs=(config["arch"],), decay_steps=config["decay_steps"])
+    cfg = scaling_config(config)
     result = scaling.run_scaling(cfg, folder.path / "run", resume=resume)
     arch = result["archs"][config["arch"]]
     tau_fits, k_fits = arch["tau_fits"], arch["k_fits"]
@@ -130,11 +137,23 @@ def router_verdict(runs: Sequence[RunRecord], figures_dir: Path) -> Verdict:
 # ---- drift in training -------------------------------------------------------------------------
 
 
+def drift_config(config: Mapping[str, Any]):
+    """The run config of one drift run: ``{"scale", "arch", "lr", "seed"}`` is that preset's mini-batch SGD run
+    (what ``flowgeom conserve run --<scale> --regime sgd`` trains); without ``scale``, the other keys override the
+    :class:`~flowgeom.experiments.conservation.ConservationConfig` defaults."""
+    from flowgeom.experiments.conservation import PRESETS, ConservationConfig
+
+    rest = {k: v for k, v in config.items() if k not in ("arch", "scale")}
+    if "scale" in config:
+        return PRESETS[config["scale"]].run_config(config["arch"], regime="sgd", **rest)
+    return ConservationConfig.for_arch(config["arch"], **rest)
+
+
 def run_drift(config: Mapping[str, Any], folder: RunFolder, resume: bool) -> dict[str, Any]:
     """One monitored training run; ``config = {"arch", "lr", "seed", "steps", "full_batch", ...}``."""
-    from flowgeom.experiments.conservation import ConservationConfig, run_conservation
+    from flowgeom.experiments.conservation import run_conservation
 
-    cfg = ConservationConfig.for_arch(config["arch"], **{k: v for k, v in config.items() if k != "arch"})
+    cfg = drift_config(config)
     run_conservation(cfg, folder.path / "run", resume=resume)
     metrics = RunFolder(folder.path / "run").metrics()
     final = metrics[-1]
@@ -186,14 +205,17 @@ TEXTS = {
 
 
 def claims() -> list[Claim]:
-    from flowgeom.experiments import conservation  # an import bug fails loudly, never hides the claims
+    from flowgeom.experiments import conservation, scaling  # an import bug fails loudly, never hides the claims
 
-    drift_q = tuple({"arch": a, "lr": 0.1, "seed": 0, "steps": 100, "log_every": 10} for a in
-                    ("mha-rope-swiglu", "moe-top2-softmax"))
-    drift_f = tuple({"arch": a, "lr": lr, "seed": s, "steps": 2000, "log_every": 50, "n_layers": 4, "d_model": 64}
-                    for a in list(conservation.ARCHS) for lr in (0.05, 0.1, 0.2) for s in range(3))
+    quick, full = conservation.QUICK, conservation.FULL
+    # quick: one step size on two archs (the preset's run at lr 0.1), full: the preset's whole SGD grid.
+    drift_q = tuple({"arch": a, "lr": 0.1, "seed": 0, "steps": quick.steps, "log_every": quick.model.log_every}
+                    for a in ("mha-rope-swiglu", "moe-top2-softmax"))
+    drift_f = tuple({"scale": "full", "arch": a, "lr": lr, "seed": s}
+                    for a in conservation.ARCHS for lr in full.lrs for s in range(full.seeds))
     tau_q = ({"arch": "mha-rope-swiglu", "scale": "quick", "decay_steps": 80},)
-    tau_f = tuple({"arch": a, "scale": "full", "decay_steps": 2000} for a in conservation.LM_ARCHS)
+    tau_f = tuple({"arch": a, "scale": "full", "decay_steps": scaling.FULL.decay_steps} for a in conservation.LM_ARCHS)
+    # decay_steps 4: the router claim needs only the τ grid, not the schedule comparison.
     router_q = tuple({"arch": a, "scale": "quick", "decay_steps": 4} for a in ("moe-dense-softmax", "moe-dense-sigmoid"))
     router_f = tuple({"arch": a, "scale": "full", "decay_steps": 4} for a in
                      ("moe-dense-softmax", "moe-dense-sigmoid", "moe-top2-softmax", "moe-top2-sigmoid"))

@@ -26,12 +26,19 @@ def _clean(row: Mapping[str, Any]) -> dict[str, Any]:
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
 
 
-def run_mlp(config: Mapping[str, Any], folder: RunFolder, resume: bool) -> dict[str, Any]:
-    """One ablation variant: ``config = {"variant", "preset", "seed", "steps"}``."""
-    from flowgeom.experiments.continuity_mlp import summarise_run, train_mlp, variant_config
+def mlp_config(config: Mapping[str, Any]):
+    """The run config of one ablation run: the preset's variant, with the non-None other keys as overrides."""
+    from flowgeom.experiments.continuity_mlp import variant_config
 
     overrides = {k: v for k, v in config.items() if k not in ("variant", "preset") and v is not None}
-    cfg = variant_config(config["variant"], config["preset"], **overrides)
+    return variant_config(config["variant"], config["preset"], **overrides)
+
+
+def run_mlp(config: Mapping[str, Any], folder: RunFolder, resume: bool) -> dict[str, Any]:
+    """One ablation variant: ``config = {"variant", "preset", "seed", "steps"}``."""
+    from flowgeom.experiments.continuity_mlp import summarise_run, train_mlp
+
+    cfg = mlp_config(config)
     train_mlp(cfg, folder.path / "run", resume=resume)
     return _clean(summarise_run(RunFolder(folder.path / "run")))
 
@@ -76,12 +83,18 @@ def mlp_verdict(runs: Sequence[RunRecord], figures_dir: Path) -> Verdict:
     return Verdict(text, "reproduced", how="", figures=(fig,), table=table)
 
 
+def lm_run_config(config: Mapping[str, Any]):
+    """The run config of one LM run: the preset with the non-None other keys as overrides."""
+    from flowgeom.experiments.continuity_lm import lm_config
+
+    return lm_config(config["preset"], **{k: v for k, v in config.items() if k != "preset" and v is not None})
+
+
 def run_lm(config: Mapping[str, Any], folder: RunFolder, resume: bool) -> dict[str, Any]:
     """The small LM with continuity tracking; ``config = {"preset", "mlp", "seed", "steps"}``."""
-    from flowgeom.experiments.continuity_lm import lm_config, projection_pattern, train_lm
+    from flowgeom.experiments.continuity_lm import projection_pattern, train_lm
 
-    overrides = {k: v for k, v in config.items() if k != "preset" and v is not None}
-    cfg = lm_config(config["preset"], **overrides)
+    cfg = lm_run_config(config)
     train_lm(cfg, folder.path / "run", resume=resume)
     pattern = projection_pattern(RunFolder(folder.path / "run").metrics())
     return {"mlp": config["mlp"], "pattern": {role: _clean(p) for role, p in pattern.items()}}

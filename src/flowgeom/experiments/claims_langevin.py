@@ -65,14 +65,21 @@ def villani_verdict(runs: Sequence[RunRecord], figures_dir: Path) -> Verdict:
     return Verdict(text, "reproduced", figures=(fig,), table=tuple(rows))
 
 
-def run_darcy(config: Mapping[str, Any], folder: RunFolder, resume: bool) -> dict[str, Any]:
-    """The Darcy protocol at ``config["scale"]`` with the other keys as DarcyConfig overrides."""
+def darcy_config(config: Mapping[str, Any]):
+    """The DarcyConfig of one run: the preset of ``config["scale"]`` with the other keys as overrides."""
     import dataclasses
 
     from flowgeom.experiments import darcy
 
     base = darcy.QUICK if config["scale"] == "quick" else darcy.FULL
-    cfg = dataclasses.replace(base, **{k: v for k, v in config.items() if k != "scale"})
+    return dataclasses.replace(base, **{k: v for k, v in config.items() if k != "scale"})
+
+
+def run_darcy(config: Mapping[str, Any], folder: RunFolder, resume: bool) -> dict[str, Any]:
+    """The Darcy protocol at ``config["scale"]`` with the other keys as DarcyConfig overrides."""
+    from flowgeom.experiments import darcy
+
+    cfg = darcy_config(config)
     summary = darcy.run(cfg, folder.path / "run", resume=resume)
     keep = ("test_rmse", "test_rel_l2", "gap", "gap_std_2nd_half", "gap_drift", "wq_norm", "wk_norm",
             "wq_norm_start", "wk_norm_start", "wq_norm_max", "wk_norm_max", "status")

@@ -116,6 +116,43 @@ class ConservationConfig:
         return dataclasses.replace(self, **changes)
 
 
+@dataclass(frozen=True)
+class ConservationPreset:
+    """One scale of the experiment: the arch × lr × seed × regime grid around one nested run config.
+
+    ``model`` carries every per-run field (model size, data size, batch, logging);
+    ``steps`` overrides its ``steps``. ``flowgeom conserve run --quick|--full`` and
+    the ``conservation.*`` claims of ``flowgeom reproduce`` both read these, so a
+    scale trains the same models everywhere.
+    """
+
+    lrs: tuple[float, ...]
+    seeds: int
+    steps: int
+    regimes: tuple[str, ...]
+    model: ConservationConfig
+
+    def run_config(self, arch: str, *, lr: float, seed: int, regime: str = "sgd", **changes: Any) -> ConservationConfig:
+        """The config of one run of the grid (``regime`` gd = full batch)."""
+        if arch not in ARCHS:
+            raise choice_error("architecture", arch, ARCHS)
+        if regime not in ("gd", "sgd"):
+            raise choice_error("regime", regime, ("gd", "sgd"))
+        return self.model.replace(**{"steps": self.steps, **changes, **ARCHS[arch]}, lr=lr, seed=seed,
+                                  full_batch=regime == "gd")
+
+
+# Laptop scale: ~2 min for the whole grid on 2 cores.
+QUICK = ConservationPreset(lrs=(0.05, 0.2), seeds=1, steps=100, regimes=("gd", "sgd"), model=ConservationConfig())
+# Paper scale (seed 000): a 12-layer LM on WikiText-103 (data=PATH) and a ViT on ImageNet (data=PATH, patch=16).
+FULL = ConservationPreset(
+    lrs=(0.01, 0.03, 0.1), seeds=10, steps=20_000, regimes=("gd", "sgd"),
+    model=ConservationConfig(d_model=512, n_layers=12, heads=8, d_k=64, d_hidden=1376, seq_len=256, batch=64,
+                             corpus_chars=0, n_train=1_281_167, log_every=100, checkpoint_every=1000),
+)
+PRESETS = {"quick": QUICK, "full": FULL}
+
+
 # ---------------------------------------------------------------- data and model
 
 @dataclass

@@ -59,13 +59,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 CORE = ("Res+ReLU", "Res+GELU", "Res+SiLU", "NoRes", "Res+None", "Res+Radial", "Res+Radial-rms", "Res+ReLU+LN")
 
-PRESETS: dict[str, dict[str, Any]] = {
-    # < 5 min for the CORE variants on 2 CPU cores.
-    "quick": {"steps": 600, "batch": 128, "log_every": 50, "train_limit": 20000, "test_limit": 2000},
-    # The seed's scale: full MNIST, many epochs' worth of steps.
-    "full": {"steps": 20000, "batch": 128, "log_every": 500, "train_limit": None, "test_limit": None},
-}
-
 SEED_CLAIMS: dict[str, dict[str, str]] = {
     "NoRes": {"g_v1": "~0.05 (chance)", "w_v1": "no continuity"},
     "Res+None": {"g_v1": "~0.93", "w_v1": "~0.22 (aligns, then drifts)"},
@@ -110,18 +103,25 @@ class MLPRunConfig:
                             layernorm=self.layernorm, init_scale=self.init_scale)
 
 
+# < 5 min for the CORE variants on 2 CPU cores.
+QUICK = MLPRunConfig(steps=600, batch=128, log_every=50, train_limit=20000, test_limit=2000)
+# The seed's scale (seed 001): 16 layers x 256 on the full 60k MNIST, many epochs' worth of steps.
+FULL = MLPRunConfig(steps=20000, batch=128, log_every=500, train_limit=None, test_limit=None)
+PRESETS: dict[str, MLPRunConfig] = {"quick": QUICK, "full": FULL}
+
+
 def variant_config(name: str, preset: str = "quick", **overrides: Any) -> MLPRunConfig:
     """The config of ablation ``name`` (see :data:`VARIANTS`) at ``preset`` scale, with ``overrides``."""
     if name not in VARIANTS:
         raise choice_error("variant", name, VARIANTS)
     if preset not in PRESETS:
         raise choice_error("preset", preset, PRESETS)
-    fields = {"variant": name, **PRESETS[preset], **VARIANTS[name], **overrides}
+    fields = {"variant": name, **VARIANTS[name], **overrides}
     known = {f.name for f in dataclasses.fields(MLPRunConfig)}
     unknown = sorted(set(fields) - known)
     if unknown:
         raise FlowgeomError(f"unknown MLP run option(s) {unknown}; valid: {', '.join(sorted(known))}")
-    return MLPRunConfig(**fields)
+    return dataclasses.replace(PRESETS[preset], **fields)
 
 
 def _mnist(split: str, limit: int | None, path: str | None, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -121,6 +121,27 @@ def _law_mean(record: Mapping[str, Any]) -> float:
     return float(np.mean(vals))
 
 
+DIVERGED_EPS = 1.0  # a law's relative error ≥ 1: the quantity left its conserved value, no O(τ²k) regime left
+
+
+def _refuse_diverged(arch: str, curves: Mapping[float, Sequence[Mapping[str, Any]]]) -> None:
+    """The divergence policy of the experiment: a diverged τ-run ends the experiment with one FlowgeomError.
+
+    A run diverged when a law's relative error ε reaches :data:`DIVERGED_EPS` or any recorded ε is not finite
+    (a non-finite loss already raised in :func:`run_conservation`). Fitting slopes through such runs gives
+    numbers without meaning, so none are returned.
+    """
+    for tau, metrics in curves.items():
+        for m in metrics:
+            bad = {k: v for k, v in m.items() if "/" in k and isinstance(v, float) and not math.isfinite(v)}
+            bad |= {k: v for k, v in m.items() if k.startswith("eps/") and isinstance(v, float) and v >= DIVERGED_EPS}
+            if bad:
+                key = sorted(bad)[0]
+                raise FlowgeomError(f"scaling run {arch} τ={tau:g} diverged at step {m['step']}: {key} = "
+                                    f"{bad[key]:.3g} (a law's relative error ≥ {DIVERGED_EPS:g} leaves the O(τ²k) "
+                                    "regime, so no slope is fitted); give smaller step sizes (--tau)")
+
+
 def run_scaling(cfg: ScalingConfig, out: str | Path, *, resume: bool = False,
                 progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Every run of the experiment, the fits and the figure; written to ``out/scaling.json``."""
@@ -136,6 +157,7 @@ def run_scaling(cfg: ScalingConfig, out: str | Path, *, resume: bool = False,
             run_conservation(cfg.run_config(arch, lr=tau), path, resume=resume)
             curves[tau] = RunFolder(path).metrics()
         final = {tau: curves[tau][-1] for tau in cfg.taus}
+        _refuse_diverged(arch, {tau: curves[tau] for tau in sorted(curves)})
         fits_tau = {g: loglog_fit(cfg.taus, [final[t][g] for t in cfg.taus]) for g in _groups(curves[cfg.taus[0]])}
         fits_tau["eps/all laws"] = loglog_fit(cfg.taus, [_law_mean(final[t]) for t in cfg.taus])
         ks = [m["step"] for m in curves[k_tau] if m["step"] >= 2]
