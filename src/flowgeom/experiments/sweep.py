@@ -365,10 +365,18 @@ def _run_pool(specs, *, resume, jobs, on_start, on_done) -> dict[str, Outcome]:
             broken = False
             while (batch or flying) and not broken:
                 while batch and len(flying) < (1 if alone else jobs):
-                    spec, res = batch.pop(0)
+                    spec, res = batch[0]
+                    try:
+                        future = pool.submit(execute, spec, res)
+                    except cf.process.BrokenProcessPool:  # a worker died between two submissions
+                        broken = True
+                        break
+                    batch.pop(0)
                     if not alone:
                         on_start(spec)
-                    flying[pool.submit(execute, spec, res)] = spec
+                    flying[future] = spec
+                if broken:
+                    break
                 finished, _ = cf.wait(flying, return_when=cf.FIRST_COMPLETED)
                 for fut in finished:
                     if isinstance(fut.exception(), cf.process.BrokenProcessPool):
