@@ -121,3 +121,16 @@ def test_locate_reports_adapters_not_frozen_base():
     assert [law.family for law in found.entry.laws] == ["lora.gram"] * 4  # base weights frozen: no laws
     assert [c.family for c in found.entry.controls] == ["norm.lora_B"] * 4
     assert any("frozen" in n for n in found.entry.notes) and found.uncovered == ()
+
+
+def test_monitor_groups_lora_laws_under_the_adapted_module():
+    from flowgeom.laws.monitor import ConservationMonitor
+
+    model = peft.get_peft_model(tiny_model("llama", seed=0, num_hidden_layers=1),
+                                peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    for laws in (None, lora_laws(model)):  # located (block set by locate) and hand-given (block from the names)
+        record = ConservationMonitor(model, laws, warn=False).step(0)
+        blocks = sorted(k.split("@", 1)[1] for k in record if k.startswith(("eps/lora.gram@", "control/norm.lora_B@")))
+        attn = "base_model.model.model.layers.0.self_attn"
+        assert blocks == [f"{attn}.q_proj", f"{attn}.q_proj", f"{attn}.v_proj", f"{attn}.v_proj"], blocks
+        assert not any("lora_" in k.split("@", 1)[1] for k in record if "@" in k)  # no …q_proj.lora_A block

@@ -74,6 +74,7 @@ class Law:
     status: str = "law"  # "law" | "control" (not conserved) | "refuted" (claimed, measured false)
     note: str = ""
     batch: Batch | None = field(default=None, repr=False, compare=False)
+    block: str = ""  # module path of the block the law belongs to (set by locate; "" = from the parameter names)
 
     def evaluate(self, params: Params) -> Tensor:
         return self.fn(params)
@@ -280,7 +281,9 @@ def _chain(m: LinearChain, prefix: str) -> CatalogueEntry:
     return CatalogueEntry(tuple(laws), controls, (), ("independent when each inner width ≤ its neighbours",))
 
 
-def _entry_of_block(block: nn.Module, prefix: str) -> CatalogueEntry | None:
+def entry_of_block(block: nn.Module, prefix: str) -> CatalogueEntry | None:
+    """The catalogue entry of one zoo block whose parameters live under ``prefix``, or None if ``block`` is
+    not a zoo block (FeedForward, SwiGLU, MultiHeadAttention, MixtureOfExperts, LinearChain)."""
     if isinstance(block, FeedForward):
         return _ffn(block, prefix)
     if isinstance(block, SwiGLU):
@@ -306,7 +309,7 @@ def catalogue(model: nn.Module) -> CatalogueEntry:
     for name, block in model.named_modules():
         if any(c == "" or name == c or name.startswith(c + ".") for c in covered):
             continue
-        entry = _entry_of_block(block, name)
+        entry = entry_of_block(block, name)
         if entry is None:
             continue
         covered.append(name)
@@ -328,7 +331,7 @@ def expected_count(model: nn.Module) -> int | None:
     Only meaningful when ``model`` is exactly one zoo block (laws of separate
     blocks composed in a network are not simply additive).
     """
-    if _entry_of_block(model, "") is None:
+    if entry_of_block(model, "") is None:
         return None
     return catalogue(model).count
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 import re
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -44,7 +44,7 @@ from torch import nn
 from flowgeom.errors import FlowgeomError, choice_error
 from flowgeom.hf.families import FAMILIES, Family, attention_heads, fused_rows, rotary_dims
 from flowgeom.laws.attention_hf import AttentionSpec, GatedMLPSpec, OutProj, Proj, attention_entry, gated_mlp_entry
-from flowgeom.laws.catalogue import CatalogueEntry, _entry_of_block, attention_laws, norm_control, swiglu_laws
+from flowgeom.laws.catalogue import CatalogueEntry, attention_laws, entry_of_block, norm_control, swiglu_laws
 from flowgeom.nn.attention import POSITIONS
 
 
@@ -104,7 +104,7 @@ Matcher = Callable[[nn.Module, str, Context], Match | None]
 
 
 def _zoo(module: nn.Module, name: str, ctx: Context) -> Match | None:
-    entry = _entry_of_block(module, name)
+    entry = entry_of_block(module, name)
     return None if entry is None else Match(entry)
 
 
@@ -409,24 +409,27 @@ def locate_blocks(model: nn.Module, *, heads: int | None = None, head_dim: int |
     laws, controls, refuted, notes, uncovered = [], [], [], [], []
     covered: list[str] = []
 
-    def add(m: Match) -> None:
-        laws.extend(m.entry.laws)
-        controls.extend(m.entry.controls)
-        refuted.extend(m.entry.refuted)
+    def add(m: Match, block: str) -> None:
+        def own(group):  # each law remembers the block it was found at (a LoRA law: the adapted module)
+            return [law if law.block else replace(law, block=block) for law in group]
+
+        laws.extend(own(m.entry.laws))
+        controls.extend(own(m.entry.controls))
+        refuted.extend(own(m.entry.refuted))
         notes.extend(m.entry.notes)
         uncovered.extend(m.uncovered)
 
     for name, module in model.named_modules():
         lora = LORA_MATCHER[1](module, name, ctx)
         if lora is not None:
-            add(lora)
+            add(lora, name)
             continue
         if any(c == "" or name == c or name.startswith(c + ".") for c in covered):
             continue
         for _, matcher in BLOCK_MATCHERS:
             match = matcher(module, name, ctx)
             if match is not None:
-                add(match)
+                add(match, name)
                 covered.append(name)
                 break
     seen = set()

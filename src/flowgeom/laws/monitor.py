@@ -99,7 +99,13 @@ class Tracked:
 
 
 def _block_of(law: Law) -> str:
-    module = law.params[0].rsplit(".", 2)[0] if law.params[0].count(".") >= 2 else ""
+    """The report block of a law: the module ``locate`` found it at, else read from its first parameter's name."""
+    if law.block:
+        return law.block
+    name = law.params[0]
+    if ".lora_" in name:  # …q_proj.lora_A.default.weight: the adapted module …q_proj
+        return name.split(".lora_", 1)[0]
+    module = name.rsplit(".", 2)[0] if name.count(".") >= 2 else ""
     return re.sub(r"\.experts\.\d+$", "", module)  # an expert's laws belong to its MoE
 
 
