@@ -35,13 +35,26 @@ def _one_step(mt):
         loss = model(input_ids=ids, labels=ids).loss
     grads = torch.autograd.grad(loss, list(model.parameters()))
     theta = [p.detach().clone() for p in model.parameters()]
-    eps = []
+    eps, values = [], []
     for tau in TAUS:
         with torch.no_grad():
             for p, t, g in zip(model.parameters(), theta, grads):
                 p.copy_(t - tau * g)
         eps.append(mon.measure())
-    return mon, eps
+        values.append(mon.values())
+    grad = dict(zip((n for n, _ in model.named_parameters()), grads))
+    return mon, eps, values, grad
+
+
+def _first_order(mon, values, grad, family):
+    """‖Δh‖/(τ‖∇L‖) of one family at τ = TAUS[0]: the first-order size of its one-step change (≈ 0 for a law)."""
+    start, dh, names = 0, 0.0, set()
+    for t in mon.items:
+        if t.kind == "eps" and t.family == family:
+            dh += float(((values[0] - mon.h0)[start:start + t.law.count] ** 2).sum())
+            names |= set(t.law.params)
+        start += t.law.count
+    return math.sqrt(dh) / (TAUS[0] * math.sqrt(sum(float(grad[n].norm()) ** 2 for n in names)))
 
 
 def _slope(values):
@@ -50,15 +63,20 @@ def _slope(values):
 
 @pytest.mark.parametrize("mt", SUPPORTED)
 def test_one_step_laws_second_order_controls_first_order(mt):
-    mon, eps = _one_step(mt)
-    laws, controls = mon.families("eps"), mon.families("control")
+    """Quadratic laws change at τ² (slope 2); linear laws (router sum, k bias) have no τ² term and change
+    only by round-off, so their criterion is ‖Δh‖/(τ‖∇L‖) ≪ 1; controls change at τ (slope 1)."""
+    mon, eps, values, grad = _one_step(mt)
+    laws, controls, linear = mon.families("eps"), mon.families("control"), mon.linear_families()
     assert laws and controls
     if mt not in ("bert", "gpt2", "gpt_neox", "falcon"):
         assert any("W_V" in c for c in controls)  # a V/O-side control
+    if mt in ("mixtral", "qwen2_moe", "olmoe"):
+        assert "eps/moe.router_sum" in linear
     for key in laws:
-        vals = [e[key] for e in eps]
-        if max(vals) < 1e-13:  # exactly conserved (e.g. the k bias: its gradient is identically zero)
+        if key in linear:
+            assert _first_order(mon, values, grad, key[4:]) < 1e-8, key
             continue
+        vals = [e[key] for e in eps]
         assert 1.8 <= _slope(vals) <= 2.2, (key, vals)
     for key in controls:
         vals = [e[key] for e in eps]
@@ -121,3 +139,17 @@ def test_gqa_from_config_not_child_names():
     entry = locate_blocks(model, warn=False).entry
     vo = [law for law in entry.laws if law.family == "attn.vo"]
     assert len(vo) == cfg.num_hidden_layers * cfg.num_key_value_heads  # one V/O law per K/V group
+
+
+@pytest.mark.parametrize("mt", ["gpt2", "gpt_neox", "mixtral"])
+def test_declared_degree_is_the_measured_homogeneity(mt):
+    """law.degree (what the monitor calls linear) agrees with h(2θ) = 2^d h(θ) measured on the model."""
+    from flowgeom.laws.monitor import homogeneity_degree
+
+    model = tiny_model(mt, seed=0)
+    _away_from_init(model, 3)  # biases away from 0: every law non-zero
+    entry = locate_blocks(model, warn=False).entry
+    params = dict(model.named_parameters())
+    degrees = {law.family: law.degree for law in entry.laws}
+    assert all(homogeneity_degree(law, params) == law.degree for law in entry.laws)
+    assert 1 in degrees.values() and 2 in degrees.values(), degrees  # k bias (gpt2, gpt_neox), router sum (mixtral)

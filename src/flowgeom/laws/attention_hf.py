@@ -193,9 +193,9 @@ class AttentionSpec:
 
 
 def _law(family: str, name: str, formula: str, count: int, params: tuple[str, ...], fn, status: str = "law",
-         batch: Batch | None = None) -> Law:
+         batch: Batch | None = None, degree: int = 2) -> Law:
     return Law(family=family, name=name, formula=formula, count=count, params=tuple(dict.fromkeys(params)), fn=fn,
-               status=status, batch=batch)
+               status=status, batch=batch, degree=degree)
 
 
 def _groups(s: AttentionSpec, x: Tensor) -> Tensor:
@@ -254,7 +254,7 @@ def _qk_laws(s: AttentionSpec) -> list[Law]:
 
                 laws.append(_law("attn.k_bias", f"{s.block} group {g}: bk_g{where} (softmax shift, gradient ≡ 0)",
                                  "bk_g component by component", n, (kb,), kbias,
-                                 batch=Batch(flat, lambda p, f=kbias: (f(p),))))
+                                 batch=Batch(flat, lambda p, f=kbias: (f(p),)), degree=1))
     return laws
 
 

@@ -75,6 +75,7 @@ class Law:
     note: str = ""
     batch: Batch | None = field(default=None, repr=False, compare=False)
     block: str = ""  # module path of the block the law belongs to (set by locate; "" = from the parameter names)
+    degree: int = 2  # h(sθ) = s^degree·h(θ); 1: a *linear* law, kept exactly by every discrete GD step
 
     def evaluate(self, params: Params) -> Tensor:
         return self.fn(params)
@@ -232,6 +233,7 @@ def _router_sum(m: MixtureOfExperts, prefix: str, status: str) -> Law:
         family="moe.router_sum", name=f"Σ_e {w}[e,:]" + (" ; Σ_e b_e" if b else ""),
         formula="Σ_e W_e over the router's rows" + (" and Σ_e b_e" if b else ""),
         count=m.d_model + (1 if b else 0), params=(w,) + ((b,) if b else ()), fn=fn, status=status, note=note,
+        degree=1,
     )
 
 
@@ -242,7 +244,7 @@ def _frozen_router(m: MixtureOfExperts, prefix: str) -> Law:
         formula="router.weight[e, j] (and router.bias[e]) for all e, j: top-1 renormalised gates are ≡ 1, "
                 "so the router never receives a gradient",
         count=sum(p.numel() for p in m.router.parameters()), params=names,
-        fn=lambda p: torch.cat([p[n].reshape(-1) for n in names]),
+        fn=lambda p: torch.cat([p[n].reshape(-1) for n in names]), degree=1,
     )
 
 

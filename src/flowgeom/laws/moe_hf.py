@@ -125,12 +125,12 @@ def router_law(prefix: str, layout: MoELayout) -> Law:
             family="moe.router_frozen", name=f"every {w}[e, j] (top-1 renormalised: gate ≡ 1)",
             formula=f"{w}[e, j] for all e, j: the selected expert's weight is p_e/p_e ≡ 1, the router gets no gradient",
             count=layout.experts * layout.hidden, params=(w,), fn=lambda p: p[w].reshape(-1),
-            batch=Batch(flat, lambda p: (p[w],)),
+            batch=Batch(flat, lambda p: (p[w],)), degree=1,
         )
     return Law(
         family="moe.router_sum", name=f"Σ_e {w}[e,:]",
         formula="Σ_e router[e, :] (softmax is invariant to adding one vector to every router row)",
-        count=layout.hidden, params=(w,), fn=lambda p: p[w].sum(0), batch=Batch(col_sum, lambda p: (p[w],)),
+        count=layout.hidden, params=(w,), fn=lambda p: p[w].sum(0), batch=Batch(col_sum, lambda p: (p[w],)), degree=1,
         note="router softmax runs in float32 in transformers: holds to ~1e-7 relative",
     )
 

@@ -12,6 +12,14 @@ step τ a quadratic law changes by exactly τ²·q(∇L) per step
 ε(k) = O(τ²k); a non-conserved *control* (e.g. ‖W_Q‖²_F) moves at first
 order, O(τk).
 
+**Linear laws** (``law.degree == 1``: the MoE router sum Σ_e W_e, a frozen
+top-1 router, the k bias of attention without RoPE) have no τ² term:
+h(θ − τg) = h(θ) − τ⟨∇h, g⟩ = h(θ) exactly, so every discrete GD/SGD step
+keeps them and their ε is float round-off (in transformers' routers, whose
+softmax runs in float32, ~1e-9 relative per step in a float64 model), not an
+O(τ²k) drift. Their check is ‖Δh‖/(τ‖∇L‖) ≪ 1 over one step, never a slope
+of 2 in τ; :meth:`ConservationMonitor.linear_families` names them.
+
 **Only plain GD / SGD.** Momentum and Adam change the direction of the
 step (no longer a combination of the model's Jacobian rows), so the first-
 order term no longer vanishes; weight decay adds −λθ to the flow. For the
@@ -270,6 +278,14 @@ class ConservationMonitor:
     def uncovered_list(self) -> list[dict[str, str]]:
         """The blocks no law covers, as ``[{block, reason}]`` (they are not measured)."""
         return [u.as_dict() for u in self.uncovered]
+
+    def linear_families(self) -> list[str]:
+        """The ``eps/<family>`` keys whose laws are all linear (degree 1): ε at round-off, not O(τ²k)."""
+        degrees: dict[str, set[int]] = {}
+        for t in self.items:
+            if t.kind == "eps":
+                degrees.setdefault(f"eps/{t.family}", set()).add(t.law.degree)
+        return sorted(k for k, d in degrees.items() if d == {1})
 
     def families(self, kind: str = "eps") -> list[str]:
         """The per-family keys of one kind ("eps", "control", "refuted")."""
