@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from flowgeom.experiments.registry import Claim, Verdict, grid
+from flowgeom.reproduce.registry import Claim, Verdict, grid
 from flowgeom.runs import RunFolder
 
 

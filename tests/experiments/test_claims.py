@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from flowgeom.cli.reproduce import reproduce
-from flowgeom.experiments import claims_laws
-from flowgeom.experiments.registry import AREAS, RunRecord, load_claims, select
+from flowgeom.reproduce.pipeline import reproduce
+from flowgeom.reproduce import claims_laws
+from flowgeom.reproduce.registry import AREAS, RunRecord, load_claims, select
 
 
 def test_laws_sigmoid_router_claim_is_refuted_end_to_end(tmp_path):
@@ -59,14 +59,14 @@ def test_a_missing_area_module_becomes_not_run(monkeypatch):
     monkeypatch.setitem(sys.modules, "flowgeom.experiments.darcy", None)  # import now raises ImportError
     # `from flowgeom.experiments import darcy` would still find the attribute an earlier test left on the package
     monkeypatch.delattr(flowgeom.experiments, "darcy", raising=False)
-    from flowgeom.experiments import claims_langevin
+    from flowgeom.reproduce import claims_langevin
 
     darcy = next(c for c in claims_langevin.claims() if c.id == "langevin.darcy")
     assert darcy.unavailable and "Darcy experiment unavailable" in darcy.unavailable
 
 
 def test_a_broken_adapter_never_stops_the_other_areas(monkeypatch):
-    monkeypatch.setitem(sys.modules, "flowgeom.experiments.claims_continuity", None)
+    monkeypatch.setitem(sys.modules, "flowgeom.reproduce.claims_continuity", None)
     claims = load_claims(AREAS)
     broken = [c for c in claims if c.area == "continuity"]
     assert [c.id for c in broken] == ["continuity.adapter"] and "adapter failed to load" in broken[0].unavailable
@@ -74,7 +74,7 @@ def test_a_broken_adapter_never_stops_the_other_areas(monkeypatch):
 
 
 def test_role_verdicts_compare_by_space_whatever_the_wording():
-    from flowgeom.experiments.claims_continuity import _matches
+    from flowgeom.reproduce.claims_continuity import _matches
 
     assert _matches("input", "input-continuous") and _matches("input", "input+output-continuous")
     assert _matches("output", "output") and not _matches("output", "input-continuous")

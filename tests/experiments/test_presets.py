@@ -12,7 +12,8 @@ import pytest
 
 from flowgeom.cli import main
 from flowgeom.errors import FlowgeomError
-from flowgeom.experiments import claims_conservation, claims_continuity, claims_langevin, conservation, scaling
+from flowgeom.experiments import conservation, scaling
+from flowgeom.reproduce import claims_conservation, claims_continuity, claims_langevin
 from flowgeom.experiments import continuity_lm, continuity_mlp, darcy
 
 

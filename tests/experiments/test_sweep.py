@@ -16,10 +16,11 @@ from hypothesis import strategies as st
 
 import _sweep_fakes as fakes
 from flowgeom.cli import build_parser
-from flowgeom.cli.reproduce import reproduce, run_reproduce
+from flowgeom.cli.reproduce import run_reproduce
 from flowgeom.errors import FlowgeomError
-from flowgeom.experiments.registry import Claim, Verdict, grid, run_id, select
-from flowgeom.experiments.sweep import execute, plan, run_sweep
+from flowgeom.reproduce.pipeline import reproduce
+from flowgeom.reproduce.registry import Claim, Verdict, grid, run_id, select
+from flowgeom.reproduce.sweep import execute, plan, run_sweep
 
 PY = sys.executable
 FLOWGEOM = [PY, "-c", "import sys; from flowgeom.cli import main; sys.exit(main())"]
@@ -168,16 +169,16 @@ def test_unknown_claim_and_area_are_usage_errors(tmp_path):
 
 
 def test_default_out_is_fresh_and_resume_finds_the_latest(tmp_path, monkeypatch):
-    from flowgeom.cli import reproduce as cli
+    from flowgeom.reproduce import pipeline
 
-    monkeypatch.setattr(cli, "DEFAULT_ROOT", tmp_path / "runs")
+    monkeypatch.setattr(pipeline, "DEFAULT_ROOT", tmp_path / "runs")
     with pytest.raises(FlowgeomError, match="no earlier quick reproduction"):
-        cli._default_out("quick", True)
-    fresh = cli._default_out("quick", False)
+        pipeline.default_out("quick", True)
+    fresh = pipeline.default_out("quick", False)
     assert fresh.parent == tmp_path / "runs" and fresh.name.startswith("quick-")
     for name in ("quick-20260101-000000", "quick-20260102-000000", "full-20270101-000000"):
         (tmp_path / "runs" / name).mkdir(parents=True)
-    assert cli._default_out("quick", True).name == "quick-20260102-000000"
+    assert pipeline.default_out("quick", True).name == "quick-20260102-000000"
 
 
 def test_ray_backend_without_ray_is_a_clear_error(tmp_path, monkeypatch):

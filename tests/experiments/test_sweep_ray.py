@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import _sweep_fakes as fakes
-from flowgeom.experiments.sweep import plan, python_path, run_sweep
+from flowgeom.reproduce.sweep import plan, python_path, run_sweep
 
 ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'ray==2.60.0' to run the Ray backend test)")
 

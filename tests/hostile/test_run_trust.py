@@ -27,8 +27,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "experiments"))
 import _sweep_fakes as fakes  # noqa: E402  (the fake claims of the sweep tests)
 
-from flowgeom.cli.reproduce import reproduce  # noqa: E402
-from flowgeom.experiments.sweep import plan, run_sweep  # noqa: E402
+from flowgeom.reproduce.pipeline import reproduce  # noqa: E402
+from flowgeom.reproduce.sweep import plan, run_sweep  # noqa: E402
 
 
 # ---------------------------------------------------------------- helpers

@@ -14,7 +14,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "experiments"))
 import _sweep_fakes as fakes  # noqa: E402
-from flowgeom.cli.reproduce import reproduce  # noqa: E402
+from flowgeom.reproduce.pipeline import reproduce  # noqa: E402
 from flowgeom.errors import FlowgeomError  # noqa: E402
 from flowgeom.report.render import load, render_html, write_report  # noqa: E402
 

@@ -18,7 +18,8 @@ from flowgeom.cli._common import command, console
 def run_demo(args: argparse.Namespace) -> int:
     from flowgeom.cli.laws import print_catalogue_table
     from flowgeom.cli.laws_engine import print_count_table
-    from flowgeom.cli.reproduce import run_reproduce
+    from flowgeom.cli.reproduce import exit_code, print_summary
+    from flowgeom.reproduce.pipeline import run
 
     out = console()
     out.rule("1/3  conservation-law catalogue (closed forms, checked by autograd in float64)")
@@ -29,8 +30,9 @@ def run_demo(args: argparse.Namespace) -> int:
         return 0
     out.rule("3/3  every seed claim: flowgeom reproduce all --quick")
     # resume=True: a second `make demo` reuses the finished runs instead of refusing the folder.
-    return run_reproduce(argparse.Namespace(area="all", quick=True, full=False, out=args.out, resume=True,
-                                            backend="local", jobs=1, only=None, json=False))
+    report = run("all", scale="quick", out=args.out, resume=True)
+    print_summary(report)
+    return exit_code(report)
 
 
 def register(sub) -> None:

@@ -8,7 +8,7 @@ that executes one config into one :class:`~flowgeom.runs.RunFolder`, and a
 measured figure, a verdict and figures.
 
 An area (``laws``, ``conservation``, ``continuity``, ``langevin``) is added by
-writing one adapter module ``flowgeom.experiments.claims_<area>`` with a
+writing one adapter module ``flowgeom.reproduce.claims_<area>`` with a
 function ``claims() -> list[Claim]``. An adapter whose underlying API is
 missing still lists its claims, with ``unavailable`` set to the reason, so
 the report says "not run (reason)" instead of the sweep crashing.
@@ -196,7 +196,7 @@ def load_claims(areas: Sequence[str]) -> list[Claim]:
         if area not in AREAS:
             raise choice_error("area", area, AREAS + ("all",))
         try:
-            module = importlib.import_module(f"flowgeom.experiments.claims_{area}")
+            module = importlib.import_module(f"flowgeom.reproduce.claims_{area}")
             found = list(module.claims())
         except Exception as exc:  # noqa: BLE001 - any adapter failure becomes a "not run" line
             found = unavailable(area, f"adapter failed to load: {type(exc).__name__}: {exc}",

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from flowgeom.experiments.registry import Claim, RunRecord, Verdict, guarded
+from flowgeom.reproduce.registry import Claim, RunRecord, Verdict, guarded
 from flowgeom.runs import RunFolder
 
 ACTIVATED = ("Res+ReLU", "Res+GELU", "Res+SiLU")

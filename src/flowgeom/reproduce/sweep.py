@@ -11,7 +11,7 @@ Layout under ``out``::
                                     matched the manifest, moved aside
 
 Run ids are deterministic functions of the config
-(:func:`flowgeom.experiments.registry.run_id`), so a second invocation finds
+(:func:`flowgeom.reproduce.registry.run_id`), so a second invocation finds
 the same folders. With ``resume`` a finished run (``summary.json`` present) is
 skipped and an interrupted one is handed to its run function with
 ``resume=True`` to continue from its checkpoint. Without ``resume`` a sweep
@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from flowgeom.errors import FlowgeomError, choice_error
-from flowgeom.experiments.registry import Claim, RunFn, run_id
+from flowgeom.reproduce.registry import Claim, RunFn, run_id
 from flowgeom.runs import RunFolder, atomic_write_bytes, atomic_write_json
 
 BACKENDS = ("local", "ray")

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from flowgeom.experiments.registry import Claim, RunRecord, Verdict
+from flowgeom.reproduce.registry import Claim, RunRecord, Verdict
 from flowgeom.runs import RunFolder
 
 TAU_SLOPE = (1.7, 2.3)  # issue 4's acceptance band for the τ-slope of the laws

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from flowgeom.experiments.registry import Claim, RunRecord, Verdict, grid
+from flowgeom.reproduce.registry import Claim, RunRecord, Verdict, grid
 from flowgeom.runs import RunFolder
 
 TOLERANCE = 1e-10

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from flowgeom.experiments.registry import Claim, RunRecord, Verdict, grid, guarded
+from flowgeom.reproduce.registry import Claim, RunRecord, Verdict, grid, guarded
 from flowgeom.runs import RunFolder
 
 EXPECTED = {"none": ("fails", "diverges"), "log": ("holds", "converges"), "power": ("holds", "converges")}
