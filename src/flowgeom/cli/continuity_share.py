@@ -237,7 +237,8 @@ def register_verbs(verbs) -> None:
                    help="input: W V V^T; output: U U^T W; auto: the space the analyzer measures as continuous "
                         "per role (default)")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out folder")
-    add_threads(p, default=None)
+    add_threads(p, default=1, help="torch CPU threads (default 1: on a shared, loaded machine 2 threads made share "
+                                   "15x slower; try 2 on an idle one)")
     add_json(p)
 
     p = command(verbs, "evaluate", help="perplexity of Llama checkpoints on the held-out KJV text",
@@ -255,5 +256,6 @@ def register_verbs(verbs) -> None:
     p.add_argument("--batch", type=positive_int(maximum=1024), default=1, help="windows per forward call (default 1)")
     p.add_argument("--text", default="kjv", help="kjv (held-out split: last 5%% of verses, default) or a text file")
     p.add_argument("--out", metavar="FILE", help="also write the JSON result to FILE (atomically)")
-    add_threads(p, default=None)
+    add_threads(p, default=1, help="torch CPU threads (default 1: on a shared, loaded machine 2 threads made share "
+                                   "15x slower; try 2 on an idle one)")
     add_json(p)

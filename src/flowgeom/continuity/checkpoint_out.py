@@ -47,6 +47,7 @@ def write_folder(out: Path, fill: Callable[[Path], None], *, force: bool) -> Non
     old = None
     try:
         fill(tmp)
+        tmp.chmod(0o755)  # mkdtemp makes it private; a checkpoint folder is an ordinary folder
         if out.exists():
             if any(out.iterdir()) and not force:  # appeared meanwhile
                 raise FlowgeomError(f"--out {out} became non-empty while writing; pass --force or pick another folder")

@@ -11,8 +11,9 @@ s = c: non-overlapping windows). Window k reads ``t[ks : ks + c]``; it scores
 the targets ``t_j`` with ``j`` from ``max(ks + 1, end of the previous window)``
 to its own end, each predicted from the tokens before it in the window. With
 s = c every window scores c - 1 targets (its first token has no context); with
-s < c each target gets at least c - s tokens of context. Every target is
-scored once. ``ppl = exp(sum NLL / n_targets)`` (natural log).
+s < c each target gets at least c - s tokens of context and every target
+``t_1 .. t_{N-1}`` is scored exactly once (the same recipe as HF's strided
+perplexity). ``ppl = exp(sum NLL / n_targets)`` (natural log).
 """
 
 from __future__ import annotations
@@ -50,9 +51,9 @@ class EvalConfig:
 
 def windows(n_tokens: int, context: int, stride: int) -> list[tuple[int, int, int]]:
     """``(begin, end, first_target)`` per window; targets ``first_target..end-1`` are scored (see module doc)."""
-    if n_tokens < context + 1:
-        raise FlowgeomError(f"the text has {n_tokens} tokens, fewer than --context {context} + 1; use a shorter "
-                            "--context (or --full, or a longer text)")
+    if n_tokens < context:
+        raise FlowgeomError(f"the text has {n_tokens} tokens, fewer than --context {context}: not one full window; "
+                            "use a shorter --context (or --full, or a longer text)")
     out, scored_to = [], 1
     for begin in range(0, n_tokens - 1, stride):
         end = min(begin + context, n_tokens)
@@ -84,7 +85,7 @@ def perplexity(model: torch.nn.Module, ids: torch.Tensor, config: EvalConfig = E
         else:  # a short last window: its own call
             rows = [model(ids[b:e][None])[0] for b, e, _ in chunk]
         for row, (b, e, first) in zip(rows, chunk):
-            pred = row[first - 1 - b:e - 1 - b].float()  # (targets, vocab): position j-1 predicts t_j
+            pred = row[first - 1 - b:e - 1 - b]  # (targets, vocab): position j-1 predicts t_j
             total += float(F.cross_entropy(pred, ids[first:e], reduction="sum"))
             count += e - first
         if progress:

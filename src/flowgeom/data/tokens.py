@@ -62,7 +62,7 @@ def load_tokenizer(spec: str | Path):
     """The tokenizer of a model: a GGUF's metadata, or ``tokenizer.json`` in an HF folder."""
     from tokenizers import Tokenizer
 
-    from flowgeom.nn.gguf_read import GGUFFile
+    from flowgeom.nn.gguf_read import GGUFMetadata
     from flowgeom.nn.llama import is_gguf
 
     if str(spec).startswith("builtin:"):
@@ -83,7 +83,7 @@ def load_tokenizer(spec: str | Path):
         path = ggufs[0]
     if not is_gguf(path):
         raise FlowgeomError(f"no tokenizer found for {spec}; pass a .gguf or a folder with tokenizer.json")
-    return gguf_tokenizer(GGUFFile(path).metadata)
+    return gguf_tokenizer(GGUFMetadata(path).metadata)
 
 
 def tokenizer_fingerprint(tokenizer) -> str:

@@ -1,34 +1,31 @@
-"""A fast, bounds-checked GGUF reader: metadata, tensor directory, dequantised tensors.
+"""GGUF metadata (the key/value section), decoded fast and bounds-checked: model config and tokenizer.
 
-``gguf.GGUFReader`` builds one numpy view per array element while it opens a
-file; on SmolLM2 (98k tokenizer strings and merges) that is ~35 s on a loaded
-2-core machine. This reader walks the same header with ``struct`` over a
-read-only ``mmap`` (~0.2 s) and dequantises a tensor only when asked, through
-``gguf.quants.dequantize`` (the same numerics as llama.cpp's reference).
+Tensors are read through :func:`flowgeom.continuity.open_source` (its
+``gguf_file`` reader walks past this section without decoding it). The
+model's hyper-parameters and its tokenizer (``tokenizer.ggml.tokens``,
+``merges``, ``token_type``) live here, which is why this module decodes it.
+``gguf.GGUFReader`` builds one numpy view per array element (~35 s on
+SmolLM2's 98k tokenizer strings on a loaded 2-core machine); this walks the
+section with ``struct`` over a read-only ``mmap`` (~0.5 s).
 
 Layout (GGUF v2/v3, little endian)::
 
     "GGUF" u32 version, u64 n_tensors, u64 n_kv
-    n_kv x  (string key, u32 type, value)            # type 9 = array: u32 elem type, u64 count, elems
-    n_tensors x (string name, u32 n_dims, u64 dims[n_dims], u32 ggml type, u64 offset)
-    padding to general.alignment (default 32), then the tensor data
+    n_kv x  (string key, u32 type, value)   # type 9 = array: u32 elem type, u64 count, elems
+    string = u64 length + UTF-8 bytes
 
-Dims are stored fastest-first (``ne[0]`` = columns), so a matrix is returned
-as ``(dims[1], dims[0]) = (out, in)``, the ``nn.Linear`` layout. Every length,
-count and offset is checked against the file size before it is used: a
-truncated or hostile file gives one :class:`FlowgeomError`, never a crash or
-a huge allocation.
+Every length and count is checked against the file size before it is used:
+a truncated or hostile file gives one :class:`FlowgeomError`, never a crash
+or a huge allocation.
 """
 
 from __future__ import annotations
 
 import mmap
 import struct
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from flowgeom.errors import FlowgeomError
 
@@ -36,17 +33,8 @@ _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<
 _STRING, _ARRAY = 8, 9
 
 
-@dataclass(frozen=True)
-class GGUFTensorInfo:
-    name: str
-    shape: tuple[int, ...]  # (out, in) for matrices: dims reversed
-    ggml_type: int
-    offset: int  # absolute byte offset of the data in the file
-    nbytes: int
-
-
-class GGUFFile:
-    """``metadata`` ({key: value}; arrays as lists) and ``tensors`` ({name: GGUFTensorInfo}) of one GGUF file."""
+class GGUFMetadata:
+    """``metadata``: {key: value} of one GGUF file (arrays as lists)."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -57,10 +45,12 @@ class GGUFFile:
             raise FlowgeomError(f"cannot open GGUF file {self.path} ({exc}); check the path") from None
         self._pos = 0
         try:
-            self.metadata, self.tensors = self._parse()
-        except (struct.error, UnicodeDecodeError, OverflowError) as exc:
-            raise FlowgeomError(f"{self.path} is not a readable GGUF file ({type(exc).__name__}: {exc}); it may be "
+            self.metadata = self._parse()
+        except (struct.error, UnicodeDecodeError, OverflowError, RecursionError) as exc:
+            raise FlowgeomError(f"{self.path} is not a readable GGUF file ({type(exc).__name__}); it may be "
                                 "truncated or corrupt: re-download it") from None
+        finally:
+            self._buf.close()  # every value is a copy: nothing keeps the mapping
 
     # ---- primitive reads, bounds-checked
     def _take(self, n: int) -> bytes:
@@ -95,9 +85,7 @@ class GGUFFile:
         raise FlowgeomError(f"{self.path}: unknown GGUF value type {vtype} at byte {self._pos}; the file is corrupt "
                             "or from an unsupported GGUF version")
 
-    def _parse(self) -> tuple[dict, dict[str, GGUFTensorInfo]]:
-        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
+    def _parse(self) -> dict:
         if self._take(4) != b"GGUF":
             raise FlowgeomError(f"{self.path} does not start with the GGUF magic; it is not a GGUF file")
         version = self._scalar("<I")
@@ -110,44 +98,4 @@ class GGUFFile:
         for _ in range(n_kv):
             key = self._string()
             metadata[key] = self._value(self._scalar("<I"))
-        infos = []
-        for _ in range(n_tensors):
-            name = self._string()
-            n_dims = self._scalar("<I")
-            if n_dims > 8:
-                raise FlowgeomError(f"{self.path}: tensor {name!r} claims {n_dims} dimensions; corrupt file")
-            dims = [self._scalar("<Q") for _ in range(n_dims)]
-            infos.append((name, dims, self._scalar("<I"), self._scalar("<Q")))
-        align = int(metadata.get("general.alignment", 32)) or 32
-        start = -(-self._pos // align) * align
-        tensors = {}
-        for name, dims, gtype, rel in infos:
-            try:
-                block, size = GGML_QUANT_SIZES[GGMLQuantizationType(gtype)]
-            except (ValueError, KeyError):
-                raise FlowgeomError(f"{self.path}: tensor {name!r} has unknown ggml type {gtype}") from None
-            count = int(np.prod(dims, dtype=object)) if dims else 1
-            if dims and dims[0] % block:
-                raise FlowgeomError(f"{self.path}: tensor {name!r} rows of {dims[0]} are not whole blocks of {block}")
-            nbytes = count // block * size
-            offset = start + rel
-            if offset + nbytes > len(self._buf):
-                raise FlowgeomError(f"{self.path}: tensor {name!r} runs past the end of the file; it is truncated: "
-                                    "re-download it")
-            tensors[name] = GGUFTensorInfo(name, tuple(int(d) for d in reversed(dims)), gtype, offset, nbytes)
-        return metadata, tensors
-
-    def load(self, name: str) -> torch.Tensor:
-        """Tensor ``name`` dequantised to float32, shape ``info.shape`` (a copy; the file stays read-only)."""
-        from gguf import GGMLQuantizationType, quants
-
-        if name not in self.tensors:
-            raise FlowgeomError(f"{self.path} holds no tensor {name!r}")
-        info = self.tensors[name]
-        raw = np.frombuffer(self._buf, dtype=np.uint8, count=info.nbytes, offset=info.offset)
-        rows = int(np.prod(info.shape[:-1])) if len(info.shape) > 1 else 1
-        arr = quants.dequantize(raw.reshape(rows, -1), GGMLQuantizationType(info.ggml_type))  # (rows, cols)
-        out = torch.from_numpy(np.array(arr, dtype=np.float32).reshape(info.shape))
-        if not bool(torch.isfinite(out).all()):
-            raise FlowgeomError(f"tensor {name!r} in {self.path} contains NaN or Inf weights; fix the checkpoint")
-        return out
+        return metadata

