@@ -26,7 +26,7 @@ def test_train_pattern_and_exact_resume(tmp_path):
     cfg = lm_config(**TINY)
     full = train_lm(cfg, tmp_path / "full", text=TEXT)
     assert full["status"] == "finished"
-    assert train_lm(cfg, tmp_path / "cut", text=TEXT, max_steps=3) is None
+    assert train_lm(cfg, tmp_path / "cut", text=TEXT, stop_after=3) is None
     train_lm(cfg, tmp_path / "cut", text=TEXT, resume=True)
     a = (tmp_path / "full" / "metrics.jsonl").read_text()
     assert a == (tmp_path / "cut" / "metrics.jsonl").read_text()

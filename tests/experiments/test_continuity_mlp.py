@@ -32,7 +32,7 @@ def test_resume_after_kill_reproduces_the_uninterrupted_run(tmp_path, data):
     cfg = variant_config("Res+ReLU", **TINY)
     full = train_mlp(cfg, tmp_path / "full", data=data)
     assert full["status"] == "finished"
-    assert train_mlp(cfg, tmp_path / "cut", max_steps=5, data=data) is None  # "killed" after 5 updates, checkpoint at 3
+    assert train_mlp(cfg, tmp_path / "cut", stop_after=5, data=data) is None  # "killed" after 5 updates, checkpoint at 3
     assert not RunFolder(tmp_path / "cut").finished
     assert len(lines(tmp_path / "cut")) == 3  # steps 0, 2, 4 logged; 4 is after the checkpoint
     resumed = train_mlp(cfg, tmp_path / "cut", resume=True, data=data)

@@ -39,7 +39,7 @@ def reference(tmp_path_factory):
 
 @pytest.mark.parametrize("stop", [17, 31 + 25, 31 + 41 + 3])  # pretraining, first arm, second arm
 def test_resume_after_kill_is_exact(tmp_path, stop, reference):
-    assert run(TINY, tmp_path / "b", stop_at_tick=stop) == {}
+    assert run(TINY, tmp_path / "b", stop_after=stop) == {}
     assert not RunFolder(tmp_path / "b").finished
     resumed = run(TINY, tmp_path / "b", resume=True)
     assert RunFolder(tmp_path / "b").metrics() == reference[1]
@@ -47,7 +47,7 @@ def test_resume_after_kill_is_exact(tmp_path, stop, reference):
 
 
 def test_resume_refuses_other_config(tmp_path):
-    run(TINY, tmp_path / "c", stop_at_tick=5)
+    run(TINY, tmp_path / "c", stop_after=5)
     with pytest.raises(FlowgeomError, match="differs"):
         run(DarcyConfig(**{**TINY.__dict__, "lam": 0.5}), tmp_path / "c", resume=True)
     with pytest.raises(FlowgeomError, match="--resume"):

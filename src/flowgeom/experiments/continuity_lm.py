@@ -107,7 +107,7 @@ def role_parameters(model: TinyLM) -> dict[str, list[torch.nn.Parameter]]:
     return roles
 
 
-def train_lm(cfg: LMRunConfig, out: str | Path, *, resume: bool = False, max_steps: int | None = None,
+def train_lm(cfg: LMRunConfig, out: str | Path, *, resume: bool = False, stop_after: int | None = None,
              text: str | None = None) -> dict[str, Any] | None:
     """Train the LM into run folder ``out`` with continuity tracking; returns the summary.
 
@@ -135,7 +135,7 @@ def train_lm(cfg: LMRunConfig, out: str | Path, *, resume: bool = False, max_ste
     config = {**dataclasses.asdict(cfg), "vocab": vocab.size, "params": sum(p.numel() for p in model.parameters())}
     return train_tracked(RunFolder(out), config=config, model=model, optimizer=opt, next_batch=next_batch,
                          loss_fn=loss_fn, roles=role_parameters(model), steps=cfg.steps, log_every=cfg.log_every,
-                         ckpt_every=cfg.ckpt_every, seed=cfg.seed, k=cfg.k, resume=resume, max_steps=max_steps,
+                         ckpt_every=cfg.ckpt_every, seed=cfg.seed, k=cfg.k, resume=resume, stop_after=stop_after,
                          label=f"LM {cfg.mlp}")
 
 

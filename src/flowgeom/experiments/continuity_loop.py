@@ -73,11 +73,11 @@ def train_tracked(run: RunFolder, *, config: Mapping[str, Any], model: nn.Module
                   loss_fn: Callable[[nn.Module, Sequence[torch.Tensor]], torch.Tensor],
                   roles: Mapping[str, Sequence[torch.Tensor]], steps: int, log_every: int, ckpt_every: int,
                   seed: int, k: int = 4, resume: bool = False, evaluate: Callable[[nn.Module], dict] | None = None,
-                  max_steps: int | None = None, label: str = "train") -> dict[str, Any] | None:
+                  stop_after: int | None = None, label: str = "train") -> dict[str, Any] | None:
     """Train ``steps`` updates with continuity tracking; returns the summary.
 
-    ``max_steps`` stops after that many updates without finishing the run (it
-    simulates a kill in tests and lets long runs be done in slices); the
+    ``stop_after`` stops after that many updates without finishing the run
+    (it simulates a kill in tests and lets long runs be done in slices); the
     return value is then ``None``. A finished run is not retrained on resume.
     """
     run.start(config, resume=resume)
@@ -121,7 +121,7 @@ def train_tracked(run: RunFolder, *, config: Mapping[str, Any], model: nn.Module
             if done % ckpt_every == 0 and done < steps:
                 run.save_checkpoint({"step": done, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                                      "generator": gen.get_state(), "tracker": tracker.state_dict()})
-            if max_steps is not None and done >= max_steps and done < steps:
+            if stop_after is not None and done >= stop_after and done < steps:
                 return None
     summary = {"status": "finished", "steps": steps, "final_loss": loss_value, "last": last}
     if evaluate is not None:

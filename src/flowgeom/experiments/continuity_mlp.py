@@ -132,7 +132,7 @@ def _mnist(split: str, limit: int | None, path: str | None, device: torch.device
     return x.to(device), labels.to(device)
 
 
-def train_mlp(cfg: MLPRunConfig, out: str | Path, *, resume: bool = False, max_steps: int | None = None,
+def train_mlp(cfg: MLPRunConfig, out: str | Path, *, resume: bool = False, stop_after: int | None = None,
               data: tuple | None = None) -> dict[str, Any] | None:
     """Train one ablation variant into run folder ``out``; returns its summary.
 
@@ -159,7 +159,7 @@ def train_mlp(cfg: MLPRunConfig, out: str | Path, *, resume: bool = False, max_s
     return train_tracked(RunFolder(out), config=dataclasses.asdict(cfg), model=model, optimizer=opt,
                          next_batch=next_batch, loss_fn=loss_fn, roles={"hidden": model.hidden_weights()},
                          steps=cfg.steps, log_every=cfg.log_every, ckpt_every=cfg.ckpt_every, seed=cfg.seed,
-                         k=cfg.k, resume=resume, evaluate=evaluate, max_steps=max_steps, label=cfg.variant)
+                         k=cfg.k, resume=resume, evaluate=evaluate, stop_after=stop_after, label=cfg.variant)
 
 
 def _slug(name: str) -> str:

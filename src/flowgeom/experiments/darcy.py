@@ -129,7 +129,7 @@ def evaluate(model: DarcyViT, data: DarcySet, mu: float, sigma: float) -> dict[s
 
 # -- the protocol --------------------------------------------------------------------------------
 class _Stop(Exception):
-    """Raised by the test hook ``stop_at_tick`` to simulate a kill (no checkpoint written)."""
+    """Raised by the test hook ``stop_after`` to simulate a kill (no checkpoint written)."""
 
 
 @dataclass
@@ -146,10 +146,11 @@ def _stage_start(cfg: DarcyConfig, stage: int) -> int:
 
 
 def run(cfg: DarcyConfig, out: str | Path, *, resume: bool = False, device: str = "cpu",
-        stop_at_tick: int | None = None, progress=None) -> dict[str, Any]:
+        stop_after: int | None = None, progress=None) -> dict[str, Any]:
     """Run (or resume) the protocol in ``out`` and return ``summary.json``'s content.
 
-    ``stop_at_tick`` (tests) aborts just before that tick as a kill would:
+    ``stop_after`` (tests) aborts after that many steps of the whole protocol
+    (pretraining, then the arms, counted as one tick sequence) as a kill would:
     the run folder keeps its last checkpoint and its metrics, and
     :class:`FlowgeomError` is not raised; the function returns ``{}``.
     """
@@ -179,7 +180,7 @@ def run(cfg: DarcyConfig, out: str | Path, *, resume: bool = False, device: str 
     try:
         for stage in range(state.stage, len(cfg.regs) + 1):
             _run_stage(cfg, folder, model, state, stage, ckpt if stage == state.stage else None,
-                       train, test, target, mu, sigma, stop_at_tick, progress)
+                       train, test, target, mu, sigma, stop_after, progress)
             ckpt = None
     except _Stop:
         return {}
@@ -193,7 +194,7 @@ def run(cfg: DarcyConfig, out: str | Path, *, resume: bool = False, device: str 
     return summary
 
 
-def _run_stage(cfg, folder, model, state, stage, ckpt, train, test, target, mu, sigma, stop_at_tick, progress):
+def _run_stage(cfg, folder, model, state, stage, ckpt, train, test, target, mu, sigma, stop_after, progress):
     reg_name = "pretrain" if stage == 0 else cfg.regs[stage - 1]
     total = cfg.pretrain_steps if stage == 0 else cfg.steps
     batch_gen = torch.Generator().manual_seed(cfg.seed + 1)
@@ -222,7 +223,7 @@ def _run_stage(cfg, folder, model, state, stage, ckpt, train, test, target, mu, 
     if ckpt is not None and ckpt["step"] > 0:  # mid-stage; at step 0 everything is re-derived
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])
-        batch_gen.set_state(ckpt["batch_gen"])
+        batch_gen.set_state(ckpt["generator"])
         start_step = ckpt["step"]
     base = _stage_start(cfg, stage)
     qk_params = select(model, preset="qk")
@@ -230,12 +231,12 @@ def _run_stage(cfg, folder, model, state, stage, ckpt, train, test, target, mu, 
 
     for step in range(start_step, total + 1):
         tick = base + step
-        if stop_at_tick is not None and tick >= stop_at_tick:
+        if stop_after is not None and tick >= stop_after:
             raise _Stop
         if step and step % cfg.checkpoint_every == 0 and step < total:
             folder.save_checkpoint({"stage": stage, "step": step, "pretrained": state.pretrained,
                                     "results": state.results, "model": model.state_dict(),
-                                    "optimizer": opt.state_dict(), "batch_gen": batch_gen.get_state()})
+                                    "optimizer": opt.state_dict(), "generator": batch_gen.get_state()})
         try:
             if step % cfg.log_every == 0 or step == total:
                 record = _metrics(model, train, test, mu, sigma, qk_params)
@@ -265,7 +266,7 @@ def _run_stage(cfg, folder, model, state, stage, ckpt, train, test, target, mu, 
     else:
         state.results[reg_name] = {"status": "ok"}
     folder.save_checkpoint({"stage": stage + 1, "step": 0, "pretrained": state.pretrained, "results": state.results,
-                            "model": model.state_dict(), "optimizer": {}, "batch_gen": batch_gen.get_state()})
+                            "model": model.state_dict(), "optimizer": {}, "generator": batch_gen.get_state()})
 
 
 def _metrics(model, train, test, mu, sigma, qk_params) -> dict[str, float]:
