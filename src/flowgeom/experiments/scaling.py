@@ -156,8 +156,8 @@ def run_scaling(cfg: ScalingConfig, out: str | Path, *, resume: bool = False,
             path = out / arch / f"tau={tau:g}"
             run_conservation(cfg.run_config(arch, lr=tau), path, resume=resume)
             curves[tau] = RunFolder(path).metrics()
+            _refuse_diverged(arch, {tau: curves[tau]})  # before spending time on the other step sizes
         final = {tau: curves[tau][-1] for tau in cfg.taus}
-        _refuse_diverged(arch, {tau: curves[tau] for tau in sorted(curves)})
         fits_tau = {g: loglog_fit(cfg.taus, [final[t][g] for t in cfg.taus]) for g in _groups(curves[cfg.taus[0]])}
         fits_tau["eps/all laws"] = loglog_fit(cfg.taus, [_law_mean(final[t]) for t in cfg.taus])
         ks = [m["step"] for m in curves[k_tau] if m["step"] >= 2]
