@@ -120,7 +120,8 @@ def test_gguf_loader_unpermutes_qk_and_matches_transformers(tmp_path):
     w.write_tensors_to_file()
     w.close()
     cfg, state = llama_state_dict(tmp_path / "tiny.gguf")
-    assert cfg == LlamaConfig(**{**TINY, "rms_norm_eps": float(np.float32(1e-5))}, tie_word_embeddings=False)  # f32 in GGUF
+    eps = float(np.float32(1e-5))  # GGUF stores it as float32
+    assert cfg == LlamaConfig(**{**TINY, "rms_norm_eps": eps}, tie_word_embeddings=False)
     assert set(state) == set(sd)
     for key in sd:  # unpermuted exactly (F32 storage)
         assert torch.equal(state[key], sd[key]), key

@@ -227,7 +227,8 @@ def register_verbs(verbs) -> None:
                         "--group 2 --rank 256\n"
                         "flowgeom continuity share model.gguf --out runs/s --roles o,down --space output --rank 192",
                 func=run_share)
-    p.add_argument("source", help="Llama checkpoint: .gguf, builtin:smollm2, or an HF folder (config.json + safetensors)")
+    p.add_argument("source",
+                   help="Llama checkpoint: .gguf, builtin:smollm2, or an HF folder (config.json + safetensors)")
     p.add_argument("--out", required=True, help="new folder for the HF-layout checkpoint (refused inside the source)")
     p.add_argument("--roles", type=comma_list(ROLES, what="role"), default=("q", "k", "gate", "up", "o", "down"),
                    help="roles to share, comma-separated (default q,k,gate,up,o,down)")

@@ -63,7 +63,8 @@ def write_folder(out: Path, fill: Callable[[Path], None], *, force: bool) -> Non
         shutil.rmtree(old, ignore_errors=True)
 
 
-def save_llama_folder(folder: Path, config_json: dict, state: dict, *, tokenizer=None, report: dict | None = None) -> None:
+def save_llama_folder(folder: Path, config_json: dict, state: dict, *, tokenizer=None,
+                      report: dict | None = None) -> None:
     """HF Llama layout in ``folder``: ``model.safetensors`` (float32, contiguous), ``config.json``,
     ``tokenizer.json`` and ``flowgeom_share.json`` (the compression report) when given.
 

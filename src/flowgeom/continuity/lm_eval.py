@@ -2,8 +2,11 @@
 
 **Text.** The held-out split is ``flowgeom.data.text.load_text("kjv", split="test")``:
 the last 5% of the King James verses (1,556 verses, Colossians 4:5 to
-Revelation 22:21, joined by newlines), which no flowgeom training run reads. Tokenised with the model's own tokenizer (SmolLM2: 47,870 tokens),
-cached on disk (:mod:`flowgeom.data.tokens`). ``quick`` scores the first
+Revelation 22:21, joined by newlines), which flowgeom's own LM training
+(split ``train``) never reads; SmolLM2's pre-training data very likely held
+the Bible, so the numbers compare compressions of one model, they do not
+measure generalisation. Tokenised with the model's own tokenizer (SmolLM2:
+47,870 tokens), cached on disk (:mod:`flowgeom.data.tokens`). ``quick`` scores the first
 :data:`QUICK_TOKENS` tokens, ``full`` all of them.
 
 **Windows.** Tokens ``t_0 .. t_{N-1}``, context c, stride s <= c (default

@@ -74,7 +74,8 @@ def load_tokenizer(spec: str | Path):
         try:
             return Tokenizer.from_file(str(path / "tokenizer.json"))
         except Exception as exc:  # the tokenizers library raises its own Exception type
-            raise FlowgeomError(f"{path / 'tokenizer.json'} is not a readable tokenizer ({exc}); re-export it") from None
+            raise FlowgeomError(f"{path / 'tokenizer.json'} is not a readable tokenizer ({exc}); "
+                                "re-export it") from None
     if path.is_dir():
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) != 1:
