@@ -77,6 +77,10 @@ def test_router_sum_softmax_exact_sigmoid_first_order():
     assert soft["eps/moe.router_sum"] < 1e-12  # linear law: exact under every GD step
     sig = [_train(_model("moe", gate="sigmoid"), lr=lr, steps=20)["refuted/moe.router_sum"] for lr in (0.02, 0.01)]
     assert sig[0] > 1e-6 and 1.6 < sig[0] / sig[1] < 2.4  # the refuted claim drifts at first order
+    # the monitor names the linear family (ε at round-off is its criterion, not a τ² slope); the refuted
+    # sigmoid claim is no eps family at all
+    assert ConservationMonitor(_model("moe", gate="softmax"), warn=False).linear_families() == ["eps/moe.router_sum"]
+    assert ConservationMonitor(_model("moe", gate="sigmoid"), warn=False).linear_families() == []
 
 
 def test_adam_breaks_the_laws_at_first_order():
