@@ -425,7 +425,7 @@ def test_smollm2_logits_match_transformers_gguf_loader(monkeypatch):
     path = _smollm2_path()
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     ref = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                            torch_dtype=torch.float32).eval()
+                                                            dtype=torch.float32).eval()
     from flowgeom.nn.llama import load_llama
 
     ours = load_llama(path)
@@ -463,3 +463,24 @@ def test_smollm2_share_and_quick_evaluate_end_to_end(tmp_path, monkeypatch, caps
     row = json.loads(stdout)["models"][0]
     assert row["targets"] == 4096 - 8 and 20 < row["ppl"] < 1e4  # SmolLM2 itself: 28.9
     assert elapsed < 180, elapsed
+
+
+def test_share_auto_space_follows_the_analyzer(tiny_folder, tmp_path, capsys):
+    """--space auto takes each role's space from the analyzer's v1/u1 ratios (recorded as evidence)."""
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(tiny_folder / "model.safetensors"))
+    gen = torch.Generator().manual_seed(7)
+    v0 = torch.nn.functional.normalize(torch.randn(48, generator=gen), dim=0)
+    u0 = torch.nn.functional.normalize(torch.randn(48, generator=gen), dim=0)
+    for l in range(4):  # plant a strong shared right vector in q and a shared left vector in o
+        q, o = f"model.layers.{l}.self_attn.q_proj.weight", f"model.layers.{l}.self_attn.o_proj.weight"
+        state[q] = state[q] + 3 * torch.outer(torch.randn(48, generator=gen), v0)
+        state[o] = state[o] + 3 * torch.outer(u0, torch.randn(48, generator=gen))
+    save_file(state, str(tiny_folder / "model.safetensors"))
+    code, stdout, err = _run(capsys, "continuity", "share", str(tiny_folder), "--out", str(tmp_path / "auto"),
+                             "--roles", "q,o", "--rank", "8", "--json")
+    assert code == 0, err
+    roles = json.loads(stdout)["roles"]
+    assert roles["q"]["space"] == "input" and roles["q"]["auto"]["v1_ratio"] > roles["q"]["auto"]["u1_ratio"]
+    assert roles["o"]["space"] == "output" and roles["o"]["auto"]["u1_ratio"] > roles["o"]["auto"]["v1_ratio"]

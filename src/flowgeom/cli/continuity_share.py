@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 
 from flowgeom.cli._common import (
-    add_json, add_threads, apply_threads, bounded_int, command, comma_list, console, positive_int, print_json,
+    add_device, add_json, add_threads, apply_threads, bounded_int, command, comma_list, console, positive_int,
+    print_json, resolve_device,
 )
 from flowgeom.errors import FlowgeomError
 
@@ -150,6 +151,7 @@ def run_evaluate(args: argparse.Namespace) -> int:
     from flowgeom.nn.llama import load_llama
 
     apply_threads(args.threads)
+    device = resolve_device(args.device)
     max_tokens = args.tokens or (None if args.full else QUICK_TOKENS)
     config = EvalConfig(context=args.context, stride=args.stride, max_tokens=max_tokens, batch=args.batch)
     specs = [args.source] + list(args.compare or [])
@@ -162,7 +164,7 @@ def run_evaluate(args: argparse.Namespace) -> int:
     rows = []
     for spec, path in zip(specs, paths):
         t0 = time.perf_counter()
-        model = load_llama(path)
+        model = load_llama(path).to(device)
         load_seconds = time.perf_counter() - t0
         if model.config.vocab_size < tokenizer.get_vocab_size():
             raise FlowgeomError(f"{spec} has {model.config.vocab_size} token embeddings but the tokenizer of "
@@ -170,9 +172,9 @@ def run_evaluate(args: argparse.Namespace) -> int:
         bar, update = _progress(not args.json, f"{spec}")
         if bar is not None:
             with bar:
-                res = perplexity(model, ids, config, progress=update)
+                res = perplexity(model, ids.to(device), config, progress=update)
         else:
-            res = perplexity(model, ids, config)
+            res = perplexity(model, ids.to(device), config)
         eval_seconds = res.pop("seconds")
         row = {"model": spec, **res, "params": sum(p.numel() for p in model.parameters()),
                "load_seconds": load_seconds, "eval_seconds": eval_seconds, "seconds": time.perf_counter() - t0}
@@ -257,6 +259,7 @@ def register_verbs(verbs) -> None:
     p.add_argument("--batch", type=positive_int(maximum=1024), default=1, help="windows per forward call (default 1)")
     p.add_argument("--text", default="kjv", help="kjv (held-out split: last 5%% of verses, default) or a text file")
     p.add_argument("--out", metavar="FILE", help="also write the JSON result to FILE (atomically)")
+    add_device(p)
     add_threads(p, default=1, help="torch CPU threads (default 1: on a shared, loaded machine 2 threads made share "
                                    "15x slower; try 2 on an idle one)")
     add_json(p)
