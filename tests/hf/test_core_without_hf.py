@@ -26,4 +26,4 @@ def test_core_works_and_hf_targets_fail_cleanly_without_transformers():
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "HF_RC 2" in proc.stdout
     err = [line for line in proc.stderr.splitlines() if line.startswith("flowgeom")]
-    assert err and "transformers" in err[-1] and "Traceback" not in proc.stderr
+    assert err and "pip install 'flowgeom[hf]'" in err[-1] and "Traceback" not in proc.stderr

@@ -56,7 +56,7 @@ _NO_DROPOUT = ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop
 SUPPORTED: tuple[str, ...] = tuple(sorted(_CONFIGS))
 
 
-def _require_transformers():
+def require_transformers():
     try:
         import transformers
     except ImportError as exc:  # pragma: no cover - depends on the environment
@@ -76,7 +76,7 @@ def tiny_config(model_type: str, **overrides: Any):
     e.g. ``tiny_config("llama", num_key_value_heads=4, attention_bias=True)``.
     """
     _check(model_type)
-    transformers = _require_transformers()
+    transformers = require_transformers()
     kwargs = {**_CONFIGS[model_type], **overrides}
     config = transformers.AutoConfig.for_model(model_type, **kwargs)
     for name in _NO_DROPOUT:
@@ -94,7 +94,7 @@ def tiny_model(model_type: str, *, seed: int, dtype: torch.dtype = torch.float64
     eval mode (no dropout anywhere), cast to ``dtype``.
     """
     config = tiny_config(model_type, **overrides)
-    transformers = _require_transformers()
+    transformers = require_transformers()
     devices = []  # fork_rng restores the global RNG afterwards: the seed stays local
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)

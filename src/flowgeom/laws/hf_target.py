@@ -365,8 +365,9 @@ class HFBuild:
 def build(model_type: str, part: str, *, overrides: dict[str, Any] | None = None, seed: int = 0,
           keep_casts: bool = False) -> HFBuild:
     """Tiny random ``model_type`` (float64, eager), its layer-0 ``part`` wrapped as :class:`HFPart`."""
-    from flowgeom.hf.tiny import tiny_model
+    from flowgeom.hf.tiny import require_transformers, tiny_model
 
+    require_transformers()  # a missing extra is its own one-line error, not a bad --config
     kwargs = {**SIZES[model_type], **(overrides or {})}
     try:
         _check_size(model_type, kwargs)
