@@ -3,7 +3,9 @@
 - ``continuity.mlp-ablation``: the residual-MLP ablations on real MNIST
   (:mod:`flowgeom.experiments.continuity_mlp`), one run per variant;
 - ``continuity.lm-projection``: the projection-specific pattern of a small
-  Llama-style LM on KJV (:mod:`flowgeom.experiments.continuity_lm`).
+  Llama-style LM on KJV (:mod:`flowgeom.experiments.continuity_lm`);
+- ``continuity.sharing``: compression strategies at equal parameter budgets
+  on SmolLM2, judged by perplexity (:mod:`flowgeom.experiments.sharing`).
 
 Each of our runs wraps their run folder in ``run/`` (their checkpoints and
 resume). A missing module or changed API makes the claim "not run (reason)".
@@ -187,6 +189,9 @@ TEXTS = {
     "residual nets develop high weight continuity.",
     "continuity.lm-projection": "In a Llama-style transformer continuity is projection-specific: Q, K, Gate, Up are "
     "continuous in input space (v1), O and Down in output space (u1), V has low continuity in both.",
+    "continuity.sharing": "Design implication: at equal parameter budgets, cross-layer basis sharing works in the "
+    "space where each projection is continuous (Q, K, Gate, Up: input; O, Down: output) better than in the other "
+    "space; V offers no obvious opportunity; continuity also guides which layers to drop.",
 }
 
 
@@ -217,6 +222,28 @@ def _pretrained_claim() -> Claim:
                  run=run_pretrained, verdict=pretrained_verdict)
 
 
+def run_sharing(config: Mapping[str, Any], folder: RunFolder, resume: bool) -> dict[str, Any]:
+    """One compression strategy at one budget on SmolLM2, scored by perplexity (no state: a resume redoes it)."""
+    from flowgeom.experiments.sharing import run_sharing as run
+
+    return run(config, folder)
+
+
+def sharing_verdict(runs: Sequence[RunRecord], figures_dir: Path) -> Verdict:
+    from flowgeom.experiments.sharing import judge, sharing_figure
+
+    rows = [r.summary for r in runs]
+    fig = sharing_figure(rows, figures_dir / "sharing.png")
+    return Verdict(**judge(rows), figures=(fig,))
+
+
+def _sharing_claim() -> Claim:
+    from flowgeom.experiments.sharing import sharing_grid
+
+    return Claim("continuity", "continuity.sharing", "001", TEXTS["continuity.sharing"],
+                 quick=sharing_grid("quick"), full=sharing_grid("full"), run=run_sharing, verdict=sharing_verdict)
+
+
 def claims() -> list[Claim]:
     area = "continuity"
     return (guarded(area, "001", "continuity.mlp-ablation", TEXTS["continuity.mlp-ablation"],
@@ -224,4 +251,6 @@ def claims() -> list[Claim]:
             + guarded(area, "001", "continuity.lm-projection", TEXTS["continuity.lm-projection"],
                       "LM continuity experiment", _lm_claim)
             + guarded(area, "001", "continuity.pretrained", TEXTS["continuity.pretrained"],
-                      "checkpoint analyzer", _pretrained_claim))
+                      "checkpoint analyzer", _pretrained_claim)
+            + guarded(area, "001", "continuity.sharing", TEXTS["continuity.sharing"],
+                      "sharing experiment", _sharing_claim))
