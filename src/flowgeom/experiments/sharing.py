@@ -176,11 +176,11 @@ def continuity_ranking(state: Mapping[str, torch.Tensor], n_layers: int) -> dict
 
 # ---------------------------------------------------------------- one run
 
-def run_sharing(config: Mapping[str, Any], folder) -> dict[str, Any]:
+def run_sharing(config: Mapping[str, Any], folder, *, resume: bool = False) -> dict[str, Any]:
     """Compress ``config["source"]`` by one strategy, score it; the summary depends only on the config.
 
     ``folder`` is a :class:`flowgeom.runs.RunFolder` (already started); one metrics line records timings.
-    A run has no intermediate state: an interrupted run is simply redone.
+    A run has no intermediate state: an interrupted run (``resume``) is redone from the start.
     """
     import time
 
@@ -189,6 +189,8 @@ def run_sharing(config: Mapping[str, Any], folder) -> dict[str, Any]:
     from flowgeom.data.tokens import cached_ids, load_tokenizer
     from flowgeom.nn.llama import llama_from_state, llama_state_dict
 
+    if resume:
+        folder.truncate_metrics(after_step=-1)  # the interrupted attempt's timing line
     t0 = time.perf_counter()
     cfg, state = llama_state_dict(config["source"])
     L = cfg.num_hidden_layers

@@ -226,7 +226,7 @@ def run_sharing(config: Mapping[str, Any], folder: RunFolder, resume: bool) -> d
     """One compression strategy at one budget on SmolLM2, scored by perplexity (no state: a resume redoes it)."""
     from flowgeom.experiments.sharing import run_sharing as run
 
-    return run(config, folder)
+    return run(config, folder, resume=resume)
 
 
 def sharing_verdict(runs: Sequence[RunRecord], figures_dir: Path) -> Verdict:
