@@ -8,11 +8,19 @@ stderr and exit code 2.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 
 
 class FlowgeomError(ValueError):
     """Bad input or an unusable state, with a message fit for the user."""
+
+
+def shown(text: object) -> str:
+    """``text`` (a path or a name) as it may appear in a one-line message: escaped if not printable."""
+    text = os.fspath(text) if isinstance(text, os.PathLike) else text
+    text = text if isinstance(text, str) else str(text)
+    return text if text.isprintable() else ascii(text)
 
 
 def choice_error(what: str, value: object, options: Iterable[object]) -> FlowgeomError:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flowgeom.continuity import open_source
-from flowgeom.continuity.gguf_file import GGML_TYPES
+from flowgeom.gguf_file import GGML_TYPES
 from flowgeom.errors import FlowgeomError
 
 Q = gguf.GGMLQuantizationType
@@ -125,3 +125,139 @@ def test_string_array_past_the_end(tmp_path):
     (tmp_path / "bad.gguf").write_bytes(bytes(data))
     with pytest.raises(FlowgeomError, match="past the end|truncated"):
         open_source(tmp_path / "bad.gguf")
+
+
+# ---------------------------------------------------------------- key/value metadata, decoded on demand
+
+
+def _write_kv(path):
+    """A GGUF with one key of every value type (and arrays of numbers, bools, strings, arrays) and one tensor."""
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_uint8("t.u8", 200)
+    w.add_int8("t.i8", -100)
+    w.add_uint16("t.u16", 60000)
+    w.add_int16("t.i16", -30000)
+    w.add_uint32("t.u32", 4_000_000_000)
+    w.add_int32("t.i32", -2_000_000_000)
+    w.add_float32("t.f32", 1e-5)
+    w.add_bool("t.bool", True)
+    w.add_uint64("t.u64", 1 << 60)
+    w.add_int64("t.i64", -(1 << 60))
+    w.add_float64("t.f64", 0.1)
+    w.add_string("t.str", "héllo ⟨x⟩")
+    w.add_array("t.ints", [3, 1, 4, 1, 5])
+    w.add_array("t.floats", [0.5, -2.25])
+    w.add_array("t.bools", [True, False, True])
+    w.add_array("t.nested", [[1, 2], [3]])
+    w.add_token_list([f"tok{i}" for i in range(40)] + ["Ġthe", "ĊĊ"])
+    w.add_token_merges(["Ġ t", "h e"])
+    w.add_tensor("blk.0.attn_q.weight", _tensors()["blk.0.attn_q.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _reference_fields(path):
+    """{key: value} through gguf.GGUFReader (arrays of arrays left out: its contents() does not nest)."""
+    out = {}
+    for key, field in gguf.GGUFReader(str(path), "r").fields.items():
+        if key.startswith("GGUF.") or (field.types[:1] == [gguf.GGUFValueType.ARRAY] and len(field.types) > 2):
+            continue
+        out[key] = field.contents()
+    return out
+
+
+def test_metadata_equals_the_gguf_package(tmp_path):
+    from flowgeom.gguf_file import open_gguf
+
+    path = tmp_path / "kv.gguf"
+    _write_kv(path)
+    ref = _reference_fields(path)
+    with open_gguf(path) as f:
+        meta = f.metadata
+        assert set(ref) <= set(meta) and "t.nested" in meta
+        for key, value in ref.items():
+            got = meta[key]
+            assert type(got) is type(value) and got == value, key
+            if isinstance(value, list) and value:
+                assert [type(v) for v in got] == [type(v) for v in value], key
+        assert meta["t.nested"] == [[1, 2], [3]]
+        assert meta["t.f32"] == float(np.float32(1e-5)) and meta["t.bool"] is True
+        assert meta["tokenizer.ggml.tokens"][-2:] == ["Ġthe", "ĊĊ"]
+        assert "missing.key" not in meta and meta.get("missing.key", 7) == 7
+        with pytest.raises(KeyError):
+            meta["missing.key"]
+
+
+def test_metadata_is_decoded_only_when_asked(tmp_path):
+    """Opening walks the key/value section once and decodes nothing but general.alignment."""
+    from flowgeom.gguf_file import open_gguf
+
+    path = tmp_path / "kv.gguf"
+    _write_kv(path)
+    with open_gguf(path) as f:
+        assert f.metadata._done == {}  # the analyzer's path: no value decoded
+        assert f.metadata["t.str"] == "héllo ⟨x⟩"
+        assert set(f.metadata._done) == {"t.str"}
+    src = open_source(path)  # continuity's source reads the same metadata through the same reader
+    assert src.metadata["t.ints"] == [3, 1, 4, 1, 5]
+
+
+def test_metadata_strings_with_broken_utf8_are_replaced(tmp_path):
+    """A value string that is not UTF-8 (a partial byte token) decodes with U+FFFD; a key must be UTF-8."""
+    from flowgeom.gguf_file import open_gguf
+
+    path = tmp_path / "kv.gguf"
+    _write_kv(path)
+    data = bytearray(path.read_bytes())
+    at = data.index(b"tok39")
+    data[at:at + 5] = b"to\xff39"
+    (tmp_path / "bad.gguf").write_bytes(bytes(data))
+    with open_gguf(tmp_path / "bad.gguf") as f:
+        assert f.metadata["tokenizer.ggml.tokens"][39] == "to\ufffd39"
+    data = bytearray(path.read_bytes())
+    at = data.index(b"t.u16")
+    data[at:at + 1] = b"\xff"
+    (tmp_path / "badkey.gguf").write_bytes(bytes(data))
+    with pytest.raises(FlowgeomError, match="not UTF-8"):
+        open_gguf(tmp_path / "badkey.gguf")
+
+
+def test_duplicate_key_and_hostile_values_refused_at_open(tmp_path):
+    from flowgeom.gguf_file import open_gguf
+
+    path = tmp_path / "kv.gguf"
+    _write_kv(path)
+    data = path.read_bytes()
+    count_at = data.index(b"t.ints") + len(b"t.ints") + 8  # after the key, the u32 type 9, the u32 element type
+    assert struct.unpack_from("<Q", data, count_at) == (5,)
+    cases = {
+        "dup": (data.replace(b"t.u16", b"t.i16"), "appears twice"),
+        "vtype": (data.replace(b"t.u8" + struct.pack("<I", 0), b"t.u8" + struct.pack("<I", 77)),
+                  "unknown value type 77"),
+        "count": (data[:count_at] + struct.pack("<Q", 1 << 61) + data[count_at + 8:], "truncated"),
+    }
+    for name, (raw, msg) in cases.items():
+        assert raw != data, name  # the corruption hit
+        (tmp_path / f"{name}.gguf").write_bytes(raw)
+        for opener in (open_gguf, open_source):
+            with pytest.raises(FlowgeomError, match=msg) as err:
+                opener(tmp_path / f"{name}.gguf")
+            assert "\n" not in str(err.value) and f"{name}.gguf" in str(err.value), name
+
+
+def test_open_gguf_refuses_a_fifo_and_a_missing_file(tmp_path):
+    import os
+
+    from flowgeom.gguf_file import open_gguf
+
+    fifo = tmp_path / "pipe.gguf"
+    os.mkfifo(fifo)
+    with pytest.raises(FlowgeomError, match="not a regular file"):
+        open_gguf(fifo)  # would block forever if opened
+    with pytest.raises(FlowgeomError, match="cannot open GGUF file"):
+        open_gguf(tmp_path / "missing.gguf")
+    (tmp_path / "empty.gguf").write_bytes(b"")
+    with pytest.raises(FlowgeomError, match="not a readable GGUF"):
+        open_gguf(tmp_path / "empty.gguf")

@@ -42,7 +42,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
-from flowgeom.errors import FlowgeomError
+from flowgeom.errors import FlowgeomError, shown  # shown: re-exported, used here and by sources
 
 MAX_HEADER = 100_000_000  # bytes; the safetensors library refuses longer headers too
 MAX_INDEX = 100_000_000  # bytes of model.safetensors.index.json (real ones are ~100 kB)
@@ -51,13 +51,6 @@ ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
 _ENTRY_KEYS = ("dtype", "shape", "data_offsets")
 _KINDS = {stat.S_IFDIR: "a folder", stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFCHR: "a character device",
           stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket"}
-
-
-def shown(text: object) -> str:
-    """``text`` (a path or a name) as it may appear in a one-line message: escaped if not printable."""
-    text = os.fspath(text) if isinstance(text, os.PathLike) else text
-    text = text if isinstance(text, str) else str(text)
-    return text if text.isprintable() else ascii(text)
 
 
 def one_line(exc: BaseException) -> str:

@@ -3,7 +3,7 @@
 A :class:`TensorSource` lists ``{name: shape}`` without reading data and
 loads **one tensor at a time** (safetensors ``safe_open`` reads only that
 tensor's bytes; GGUF tensors are views into a private memory map, dequantised
-one at a time by :mod:`flowgeom.continuity.gguf_file` — F32/F16/BF16/Q8_0/
+one at a time by :mod:`flowgeom.gguf_file` — F32/F16/BF16/Q8_0/
 Q4_0/Q4_1 in torch, K-quants and others through ``gguf.quants``).
 
 Checkpoints come from other people, so every file is treated as hostile
@@ -181,17 +181,17 @@ def _check_weight_map(weight_map: Mapping[str, Path], found: Mapping[str, Path],
 
 
 class GGUFSource(TensorSource):
-    """A GGUF file through flowgeom's minimal reader (:mod:`flowgeom.continuity.gguf_file`); shapes (out, in).
+    """A GGUF file through flowgeom's GGUF reader (:mod:`flowgeom.gguf_file`); shapes (out, in).
 
     Opening parses only the tensor table (the key/value section is walked,
     not decoded): ~10 ms for SmolLM2 where ``gguf.GGUFReader`` took seconds.
     Tensors are zero-copy views into a private memory map, dequantised one at
-    a time.
+    a time; :attr:`metadata` decodes a key/value entry when it is asked for.
     """
 
     def __init__(self, path: Path):
         from flowgeom.continuity.checkpoint_files import _open_regular
-        from flowgeom.continuity.gguf_file import GGUFFile
+        from flowgeom.gguf_file import GGUFFile
 
         self.label, self._path = shown(path), path
         with _open_regular(path, "GGUF file") as fh:
@@ -203,6 +203,11 @@ class GGUFSource(TensorSource):
                 raise FlowgeomError(f"{shown(path)} is not a readable GGUF file ({type(exc).__name__}: "
                                     f"{one_line(exc)}); it may be truncated or corrupt: re-download it") from exc
         super().__init__({name: t.shape for name, t in self._file.tensors.items()})
+
+    @property
+    def metadata(self) -> Mapping:
+        """The file's key/value metadata, decoded lazily (:class:`flowgeom.gguf_file.GGUFMetadata`)."""
+        return self._file.metadata
 
     def _read(self, name: str) -> torch.Tensor:
         return self._file.tensor(name)  # new memory: callers may modify it

@@ -62,7 +62,7 @@ def load_tokenizer(spec: str | Path):
     """The tokenizer of a model: a GGUF's metadata, or ``tokenizer.json`` in an HF folder."""
     from tokenizers import Tokenizer
 
-    from flowgeom.nn.gguf_read import GGUFMetadata
+    from flowgeom.gguf_file import open_gguf
     from flowgeom.nn.llama import is_gguf
 
     if str(spec).startswith("builtin:"):
@@ -84,7 +84,8 @@ def load_tokenizer(spec: str | Path):
         path = ggufs[0]
     if not is_gguf(path):
         raise FlowgeomError(f"no tokenizer found for {spec}; pass a .gguf or a folder with tokenizer.json")
-    return gguf_tokenizer(GGUFMetadata(path).metadata)
+    with open_gguf(path) as gguf:
+        return gguf_tokenizer(gguf.metadata)  # decodes the tokenizer entries while the file is open
 
 
 def tokenizer_fingerprint(tokenizer) -> str:

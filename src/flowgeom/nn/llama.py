@@ -275,10 +275,9 @@ def gguf_config(meta: dict, tensors) -> LlamaConfig:
 def gguf_state_dict(path: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
     """``(config, HF-named float32 state dict)`` of a llama GGUF: dequantised, q/k rows unpermuted."""
     from flowgeom.continuity.sources import open_source
-    from flowgeom.nn.gguf_read import GGUFMetadata
 
-    src = open_source(Path(path))  # validated tensor table, one tensor dequantised at a time
-    cfg = gguf_config(GGUFMetadata(path).metadata, src.shapes)
+    src = open_source(Path(path))  # one header walk: validated tensor table, metadata decoded as read
+    cfg = gguf_config(src.metadata, src.shapes)
     state = {}
     for name in src.shapes:
         parts = name.split(".")

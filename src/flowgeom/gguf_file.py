@@ -1,11 +1,19 @@
-"""A minimal GGUF reader: the tensor table without the key/value payload, tensors as zero-copy views.
+"""The one GGUF reader: header walked once, tensors as zero-copy views, key/value metadata decoded on demand.
+
+Used by :mod:`flowgeom.continuity.sources` (the tensor table; the analyzer
+never needs the metadata), :mod:`flowgeom.nn.llama` (model settings) and
+:mod:`flowgeom.data.tokens` (tokenizer strings, merges, token types). It sits
+at the package root so ``nn`` and ``data`` read GGUF without importing
+``continuity``.
 
 Why not ``gguf.GGUFReader``: it builds a numpy object for every field it
 meets, including each of the ~49k tokenizer strings of SmolLM2, so opening the
 98 MB SmolLM2 file took 2-5 s (plus ~1 s to import ``gguf``) before any
-weight was read. Here the key/value section is *walked*, never decoded (only
-``general.alignment`` is read), and the tensor table is parsed with
-``struct``: a few ms.
+weight was read. Here opening *walks* the key/value section once with
+``struct``, recording where each value starts (only ``general.alignment`` is
+decoded), and parses the tensor table: a few ms. A value is decoded when
+:attr:`GGUFFile.metadata` is first asked for it (the tokenizer's string
+arrays in a tight loop, ~0.5 s for SmolLM2's vocabulary and merges).
 
 Layout (GGUF v2/v3, little-endian; https://github.com/ggml-org/ggml/blob/master/docs/gguf.md)::
 
@@ -21,8 +29,10 @@ matrix a tensor holds is ``(ne[1], ne[0])`` = ``(out, in)``.
 Hostile files: every read is bounds-checked against the file size (a
 truncated header, a string or array longer than the file, an absurd count),
 the tensor types must be known, ``ne[0]`` a multiple of the type's block,
-every tensor must lie inside the file and start on the alignment. Every
-failure is one :class:`FlowgeomError` naming the file and what is wrong.
+every tensor must lie inside the file and start on the alignment, no tensor
+or key may appear twice. Every failure is one :class:`FlowgeomError` naming
+the file and what is wrong; the walk checks every length before a value is
+decoded, so decoding never meets a length the file cannot hold.
 Big-endian files and version 1 are refused with a message (no maintained
 tool writes them any more).
 
@@ -35,14 +45,16 @@ goes through ``gguf.quants`` (imported only then).
 from __future__ import annotations
 
 import mmap
+import os
+import stat
 import struct
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from flowgeom.continuity.checkpoint_files import shown
-from flowgeom.errors import FlowgeomError
+from flowgeom.errors import FlowgeomError, shown
 
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -56,8 +68,9 @@ GGML_TYPES = {
     24: ("I8", 1, 1), 25: ("I16", 1, 2), 26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8),
     29: ("IQ1_M", 256, 56), 30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54), 35: ("TQ2_0", 256, 66),
 }
-# key/value scalar types: id -> byte size (8 = string and 9 = array are walked separately)
-_SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+# key/value scalar types: id -> struct code (u8 i8 u16 i16 u32 i32 f32 bool u64 i64 f64); 8 = string, 9 = array
+_CODES = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_SCALAR = {vtype: struct.calcsize(code) for vtype, code in _CODES.items()}  # id -> byte size
 _STRING, _ARRAY, _UINT32 = 8, 9, 4
 MAX_DIMS = 4  # ggml tensors have at most 4 dimensions
 _U64 = struct.Struct("<Q")
@@ -104,15 +117,45 @@ class _Cursor:
         self.need(n, what)
         self.pos += n
 
-    def string(self, what: str) -> str:
+    def string(self, what: str, errors: str = "strict") -> str:
+        """A GGUF string; ``errors="replace"`` for values (a token may hold a partial UTF-8 sequence)."""
         (n,) = self.unpack("<Q", what)
         self.need(n, what)
         raw = bytes(self.buf[self.pos:self.pos + n])
         self.pos += n
         try:
-            return raw.decode("utf-8")
+            return raw.decode("utf-8", errors)
         except UnicodeDecodeError:
             raise self.fail(f"{what} is not UTF-8") from None
+
+    def value(self, vtype: int, what: str, depth: int = 0):
+        """Decode the value of type ``vtype`` at the cursor: a number, bool, str, or a list (arrays)."""
+        if vtype in _CODES:
+            return self.unpack("<" + _CODES[vtype], what)[0]
+        if vtype == _STRING:
+            return self.string(what, "replace")
+        if vtype != _ARRAY:
+            raise self.fail(f"{what}: unknown value type {vtype}")
+        if depth > 8:
+            raise self.fail(f"{what}: arrays nested deeper than 8")
+        etype, count = self.unpack("<IQ", what)
+        if etype in _CODES:  # numbers in one read
+            self.need(count * _SCALAR[etype], what)
+            return list(self.unpack(f"<{count}{_CODES[etype]}", what))
+        if etype == _STRING:  # tokenizer vocabularies and merges: ~50k strings each, so a tight loop
+            self.need(count * 8, what)
+            out, pos, buf, size, u64 = [], self.pos, self.buf, self.size, _U64.unpack_from
+            for _ in range(count):
+                n = u64(buf, pos)[0] if pos + 8 <= size else size
+                if pos + 8 + n > size:
+                    self.pos = pos
+                    raise self.fail(f"{what}: a string runs past the end of the file: truncated")
+                out.append(str(buf[pos + 8:pos + 8 + n], "utf-8", "replace"))
+                pos += 8 + n
+            self.pos = pos
+            return out
+        self.need(count * 8, what)
+        return [self.value(etype, what, depth + 1) for _ in range(count)]
 
     def skip_value(self, vtype: int, what: str, depth: int = 0) -> None:
         if vtype in _SCALAR:
@@ -149,8 +192,17 @@ class _Cursor:
             raise self.fail(f"{what}: unknown value type {vtype}")
 
 
-def read_gguf_table(path: Path, buf) -> tuple[dict[str, GGUFTensor], int]:
-    """``({name: GGUFTensor}, version)`` from the GGUF file ``path`` whose bytes are ``buf`` (bytes-like)."""
+@dataclass(frozen=True)
+class GGUFHeader:
+    """What one walk of a GGUF header finds: ``kv`` maps each key to ``(value type, byte offset of its value)``."""
+
+    version: int
+    tensors: dict[str, GGUFTensor]
+    kv: dict[str, tuple[int, int]]
+
+
+def read_gguf_header(path: Path, buf) -> GGUFHeader:
+    """The header of the GGUF file ``path`` whose bytes are ``buf`` (bytes-like), every length checked."""
     cur = _Cursor(buf, path)
     if bytes(buf[:4]) != MAGIC:
         raise cur.fail(f"magic bytes {bytes(buf[:4])!r}, expected {MAGIC!r}")
@@ -164,9 +216,13 @@ def read_gguf_table(path: Path, buf) -> tuple[dict[str, GGUFTensor], int]:
     n_tensors, n_kv = cur.unpack("<QQ", "header counts")
     cur.need(n_kv * 12, f"{n_kv} key/value pairs")  # each is at least a u64 length, a u32 type
     alignment = DEFAULT_ALIGNMENT
+    kv: dict[str, tuple[int, int]] = {}
     for i in range(n_kv):
         key = cur.string(f"key {i}")
         (vtype,) = cur.unpack("<I", f"type of {shown(key)}")
+        if key in kv:
+            raise cur.fail(f"key {shown(key)} appears twice (a reader would silently keep only one)")
+        kv[key] = (vtype, cur.pos)
         if key == "general.alignment":
             if vtype != _UINT32:
                 raise cur.fail(f"general.alignment has type {vtype}, not uint32")
@@ -210,16 +266,55 @@ def read_gguf_table(path: Path, buf) -> tuple[dict[str, GGUFTensor], int]:
         if name in tensors:
             raise FlowgeomError(f"{shown(path)}: tensor {shown(name)} is listed twice; the file is corrupt")
         tensors[name] = GGUFTensor(name, tuple(int(n) for n in reversed(ne)), ggml_type, start, n_bytes)
-    return tensors, version
+    return GGUFHeader(version, tensors, kv)
+
+
+class GGUFMetadata(Mapping):
+    """``{key: value}`` of a GGUF file's key/value section, each value decoded on first access (arrays as lists)."""
+
+    def __init__(self, path: Path, buf, kv: dict[str, tuple[int, int]]):
+        self._path, self._buf, self._kv, self._done = path, buf, kv, {}
+
+    def __getitem__(self, key: str):
+        if key not in self._done:
+            vtype, pos = self._kv[key]  # KeyError for a missing key, as a dict
+            cur = _Cursor(self._buf, self._path)
+            cur.pos = pos
+            self._done[key] = cur.value(vtype, f"value of {shown(key)}")
+        return self._done[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._kv)
+
+    def __len__(self) -> int:
+        return len(self._kv)
 
 
 class GGUFFile:
-    """The tensor table of a GGUF file and its bytes as a private (copy-on-write) memory map."""
+    """A GGUF file's tensor table and metadata over its bytes as a private (copy-on-write) memory map.
+
+    ``tensors``: ``{name: GGUFTensor}``; ``metadata``: a :class:`GGUFMetadata`
+    mapping (valid while the file is open). Usable as a context manager.
+    """
 
     def __init__(self, path: Path, fileobj):
         self.path = path
         self._map = mmap.mmap(fileobj.fileno(), 0, access=mmap.ACCESS_COPY)  # writable view, the file stays as is
-        self.tensors, self.version = read_gguf_table(path, self._map)
+        header = read_gguf_header(path, self._map)
+        self.tensors, self.version = header.tensors, header.version
+        self.metadata = GGUFMetadata(path, self._map, header.kv)
+
+    def close(self) -> None:
+        try:
+            self._map.close()
+        except BufferError:  # a raw() view is still alive: the map goes when it does
+            pass
+
+    def __enter__(self) -> GGUFFile:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def raw(self, name: str) -> torch.Tensor:
         """The stored bytes of tensor ``name``, uint8, zero-copy."""
@@ -230,6 +325,29 @@ class GGUFFile:
         """Tensor ``name`` dequantised to float32 (float64 for F64, integers as stored), torch order."""
         t = self.tensors[name]
         return dequantize(self.raw(name), t.ggml_type).reshape(t.shape)
+
+
+def open_gguf(path: str | Path) -> GGUFFile:
+    """:class:`GGUFFile` of the regular file ``path``; a FIFO or device is refused before it is opened."""
+    path = Path(path)
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise FlowgeomError(f"GGUF file {shown(path)} is not a regular file; it was not opened (reading a FIFO "
+                                "or device can block forever): pass the .gguf file itself")
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except (OSError, ValueError) as exc:
+        raise FlowgeomError(f"cannot open GGUF file {shown(path)} ({type(exc).__name__}: {exc}); check the "
+                            "path") from None
+    with os.fdopen(fd, "rb") as fh:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # swapped between stat and open
+            raise FlowgeomError(f"GGUF file {shown(path)} changed into a non-regular file while being opened; retry")
+        try:
+            return GGUFFile(path, fh)
+        except ValueError as exc:  # mmap of an empty file (FlowgeomError is a ValueError too)
+            if isinstance(exc, FlowgeomError):
+                raise
+            raise FlowgeomError(f"{shown(path)} is not a readable GGUF file ({exc}); it may be truncated or "
+                                "corrupt: re-download it") from None
 
 
 def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
