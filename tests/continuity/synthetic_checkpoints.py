@@ -35,14 +35,22 @@ def planted_stack(layers: int, m: int, n: int, *, shared: str, seed: int = 0, st
     return torch.stack(mats)  # (layers, m, n)
 
 
-def write_gguf(path, tensors: dict[str, torch.Tensor], *, quant=None) -> None:
-    """A GGUF file with ``tensors`` (numpy order (out, in)); 2-D ones quantised to ``quant`` if given."""
+def write_gguf(path, tensors, *, quant=None, tokens: int = 0, kv=None) -> None:
+    """A GGUF file with ``tensors`` (torch or numpy, order (out, in)); 2-D ones quantised to ``quant`` if given.
+
+    ``tokens``: a vocabulary ``tok0 tok1 ...`` with scores; ``kv(writer)``: adds more metadata before the tensors.
+    """
     import gguf
     import numpy as np
 
     w = gguf.GGUFWriter(str(path), "llama")
+    if tokens:
+        w.add_token_list([f"tok{i}" for i in range(tokens)])
+        w.add_token_scores([0.5] * tokens)
+    if kv is not None:
+        kv(w)
     for name, t in tensors.items():
-        arr = t.numpy().astype(np.float32)
+        arr = np.asarray(t, dtype=np.float32)
         if quant is not None and arr.ndim == 2:
             w.add_tensor(name, gguf.quants.quantize(arr, quant), raw_dtype=quant)
         else:

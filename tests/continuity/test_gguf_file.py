@@ -8,29 +8,13 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from synthetic_checkpoints import write_gguf as _write
 
 from flowgeom.continuity import open_source
 from flowgeom.gguf_file import GGML_TYPES
 from flowgeom.errors import FlowgeomError
 
 Q = gguf.GGMLQuantizationType
-
-
-def _write(path, tensors, *, quant=None, tokens=0):
-    """A GGUF file via gguf.GGUFWriter; 2-D tensors quantised to ``quant``; a ``tokens``-string vocabulary KV."""
-    w = gguf.GGUFWriter(str(path), "llama")
-    if tokens:
-        w.add_token_list([f"tok{i}" for i in range(tokens)])
-        w.add_token_scores([0.5] * tokens)
-    for name, arr in tensors.items():
-        if quant is not None and arr.ndim == 2:
-            w.add_tensor(name, gguf.quants.quantize(arr, quant), raw_dtype=quant)
-        else:
-            w.add_tensor(name, arr)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
 
 
 def _tensors(seed=0):
@@ -130,9 +114,8 @@ def test_string_array_past_the_end(tmp_path):
 # ---------------------------------------------------------------- key/value metadata, decoded on demand
 
 
-def _write_kv(path):
-    """A GGUF with one key of every value type (and arrays of numbers, bools, strings, arrays) and one tensor."""
-    w = gguf.GGUFWriter(str(path), "llama")
+def _add_every_type(w):
+    """One key of every value type (and arrays of numbers, bools, strings, arrays) on GGUFWriter ``w``."""
     w.add_uint8("t.u8", 200)
     w.add_int8("t.i8", -100)
     w.add_uint16("t.u16", 60000)
@@ -151,11 +134,10 @@ def _write_kv(path):
     w.add_array("t.nested", [[1, 2], [3]])
     w.add_token_list([f"tok{i}" for i in range(40)] + ["Ġthe", "ĊĊ"])
     w.add_token_merges(["Ġ t", "h e"])
-    w.add_tensor("blk.0.attn_q.weight", _tensors()["blk.0.attn_q.weight"])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+
+
+def _write_kv(path):
+    _write(path, {"blk.0.attn_q.weight": _tensors()["blk.0.attn_q.weight"]}, kv=_add_every_type)
 
 
 def _reference_fields(path):

@@ -12,6 +12,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from synthetic_checkpoints import write_gguf
 
 from flowgeom.cli import main
 from flowgeom.continuity import compress
@@ -84,12 +85,8 @@ def _llamacpp_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
     return out
 
 
-def test_gguf_loader_unpermutes_qk_and_matches_transformers(tmp_path):
-    import gguf
-
-    hf = hf_tiny(tie=False)
-    sd = hf.state_dict()
-    w = gguf.GGUFWriter(str(tmp_path / "tiny.gguf"), "llama")
+def _add_tiny_llama_settings(w):
+    """The llama.* metadata of TINY on GGUFWriter ``w``."""
     w.add_block_count(4)
     w.add_embedding_length(48)
     w.add_feed_forward_length(80)
@@ -100,6 +97,12 @@ def test_gguf_loader_unpermutes_qk_and_matches_transformers(tmp_path):
     w.add_rope_freq_base(1000.0)
     w.add_context_length(128)
     w.add_vocab_size(256)
+
+
+def test_gguf_loader_unpermutes_qk_and_matches_transformers(tmp_path):
+    hf = hf_tiny(tie=False)
+    sd = hf.state_dict()
+    tensors = {}
     names = {v: k for k, v in __import__("flowgeom.nn.llama", fromlist=["GGUF_NAMES"]).GGUF_NAMES.items()}
     for key, t in sd.items():
         arr = t.numpy().astype(np.float32)
@@ -114,11 +117,8 @@ def test_gguf_loader_unpermutes_qk_and_matches_transformers(tmp_path):
             name = f"blk.{layer}.{names['.'.join(rest[:-1])]}.weight"
             if name.endswith(("attn_q.weight", "attn_k.weight")):
                 arr = _llamacpp_permute(t, 6 if "attn_q" in name else 2).numpy().astype(np.float32)
-        w.add_tensor(name, arr)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        tensors[name] = arr
+    write_gguf(tmp_path / "tiny.gguf", tensors, kv=_add_tiny_llama_settings)
     cfg, state = llama_state_dict(tmp_path / "tiny.gguf")
     eps = float(np.float32(1e-5))  # GGUF stores it as float32
     assert cfg == LlamaConfig(**{**TINY, "rms_norm_eps": eps}, tie_word_embeddings=False)
