@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 pytest.importorskip("transformers")
+
+from one_step import one_step_changes  # noqa: E402
 
 from flowgeom.hf.tiny import tiny_model  # noqa: E402
 from flowgeom.laws import check, count  # noqa: E402
@@ -67,20 +67,7 @@ def _one_step_slopes(model, items, seed=0):
         for p in model.parameters():
             p.add_(0.3 * p.abs().mean() * torch.randn(p.shape, generator=gen, dtype=p.dtype))
     ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=gen)
-    loss = model(input_ids=ids, labels=ids).loss
-    names = [n for n, p in model.named_parameters() if p.requires_grad]
-    grads = dict(zip(names, torch.autograd.grad(loss, [p for n, p in model.named_parameters() if p.requires_grad])))
-    theta = {n: p.detach().clone() for n, p in model.named_parameters()}
-    taus = (1e-2, 1e-3, 1e-4)
-    slopes, rel = {}, {}
-    for item in items:
-        h0 = item.evaluate(theta)
-        deltas = [float((item.evaluate({n: v - t * grads.get(n, 0) for n, v in theta.items()}) - h0).norm()) for t in taus]
-        logs = [math.log(max(d, 1e-300)) for d in deltas]
-        slopes[item.name] = (logs[0] - logs[2]) / (math.log(taus[0]) - math.log(taus[2]))
-        scale = math.sqrt(sum(float(grads[n].norm()) ** 2 for n in item.params if n in grads))
-        rel[item.name] = deltas[2] / (taus[2] * scale)  # first-order size of the change, relative to τ‖∇L‖
-    return slopes, rel
+    return one_step_changes(model, items, ids)
 
 
 @pytest.mark.parametrize("case", ["mixtral", "qwen2_moe", "olmoe"])

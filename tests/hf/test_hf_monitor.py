@@ -8,13 +8,12 @@ import torch
 
 pytest.importorskip("transformers")
 
+from one_step import TAUS, log_slope  # noqa: E402
+
 from flowgeom.hf.tiny import SUPPORTED, tiny_config, tiny_model  # noqa: E402
 from flowgeom.laws.locate import FlowgeomWarning, locate_blocks  # noqa: E402
 from flowgeom.laws.monitor import ConservationMonitor  # noqa: E402
 from flowgeom.laws.precision import keep_dtype  # noqa: E402
-
-TAUS = (1e-2, 1e-3, 1e-4)
-
 
 def _away_from_init(model, seed):
     g = torch.Generator().manual_seed(seed)
@@ -57,10 +56,6 @@ def _first_order(mon, values, grad, family):
     return math.sqrt(dh) / (TAUS[0] * math.sqrt(sum(float(grad[n].norm()) ** 2 for n in names)))
 
 
-def _slope(values):
-    return (math.log(values[0]) - math.log(values[-1])) / (math.log(TAUS[0]) - math.log(TAUS[-1]))
-
-
 @pytest.mark.parametrize("mt", SUPPORTED)
 def test_one_step_laws_second_order_controls_first_order(mt):
     """Quadratic laws change at τ² (slope 2); linear laws (router sum, k bias) have no τ² term and change
@@ -77,10 +72,10 @@ def test_one_step_laws_second_order_controls_first_order(mt):
             assert _first_order(mon, values, grad, key[4:]) < 1e-8, key
             continue
         vals = [e[key] for e in eps]
-        assert 1.8 <= _slope(vals) <= 2.2, (key, vals)
+        assert 1.8 <= log_slope(vals) <= 2.2, (key, vals)
     for key in controls:
         vals = [e[key] for e in eps]
-        assert 0.8 <= _slope(vals) <= 1.2, (key, vals)
+        assert 0.8 <= log_slope(vals) <= 1.2, (key, vals)
 
 
 def test_every_attention_family_has_a_vo_control():
