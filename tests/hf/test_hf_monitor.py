@@ -15,6 +15,7 @@ from flowgeom.laws.locate import FlowgeomWarning, locate_blocks  # noqa: E402
 from flowgeom.laws.monitor import ConservationMonitor  # noqa: E402
 from flowgeom.laws.precision import keep_dtype  # noqa: E402
 
+
 def _away_from_init(model, seed):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
