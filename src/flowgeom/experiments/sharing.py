@@ -52,14 +52,16 @@ VALUE = ("v-input", "v-output", "v-svd")
 STRATEGIES = ("none",) + SHARE + DROP + VALUE
 
 # quick: 2 budgets x (a, b, c) + dropping (continuity, 2 random seeds) at 10% + V at 20% + reference = 13 runs,
-#   ~5 min on 2 idle cores (share ~20 s, 2,048-token evaluate ~10 s per run, SmolLM2 load ~3 s).
-# full: 4 budgets x (a, b, c, V x3) + dropping at 4 budgets (continuity + 5 seeds) + reference = 49 runs on the
-#   whole held-out split (47,870 tokens, ~6 min of evaluate per run on one core): ~5-6 h on one core,
-#   minutes per run on a GPU; every run resumes independently.
+#   measured 12 min on 2 loaded cores (share 10-200 s: the 1536x1536 output-space Grams of gate/up are the
+#   slow part; 2,048-token evaluate ~15 s; SmolLM2 load ~3 s). SmolLM2 loses ~20% of each matrix's norm to
+#   any positive saving, so the budgets are small.
+# full: 5 budgets x (a, b, c) + 4 x V x3 + dropping at 4 budgets (continuity + 5 seeds) + reference = 52 runs
+#   on the whole held-out split (47,870 tokens, ~12x the quick evaluate per run): ~4-6 h on one core;
+#   every run resumes independently (--resume), and --jobs/--backend ray spread them.
 PRESETS: dict[str, dict[str, Any]] = {
-    "quick": {"budgets": (0.1, 0.2), "drop_budgets": (0.1,), "v_budgets": (0.2,), "random_seeds": (0, 1),
+    "quick": {"budgets": (0.02, 0.1), "drop_budgets": (0.1,), "v_budgets": (0.2,), "random_seeds": (0, 1),
               "tokens": 2048, "context": 512, "group": 2},
-    "full": {"budgets": (0.05, 0.1, 0.2, 0.3), "drop_budgets": (0.05, 0.1, 0.2, 0.3),
+    "full": {"budgets": (0.01, 0.02, 0.05, 0.1, 0.2), "drop_budgets": (0.05, 0.1, 0.2, 0.3),
              "v_budgets": (0.05, 0.1, 0.2, 0.3), "random_seeds": (0, 1, 2, 3, 4), "tokens": None, "context": 512,
              "group": 2},
 }
