@@ -191,6 +191,13 @@ def test_verdict_follows_seed_space_against_opposite_space(a, b, verdict):
     beats = sum(x < y for x, y in zip(a, (40.0, 60.0)))
     assert f"beats per-layer SVD at {beats} of 2 budgets" in out["how"]
     assert "reference ppl 28.90" in out["measured"]
+    assert "broken" not in out["how"]  # 30 < 10 x 28.9
+
+
+def test_verdict_says_when_every_compressed_model_is_broken():
+    out = sharing.judge(_rows((300.0, 3e4), (1e3, 2e4), c=(2e3, 7e5)))
+    assert out["verdict"] == "differs" and "every shared or SVD model is broken (ppl >= 300" in out["how"]
+    assert "broken" not in sharing.judge(_rows((280.0, 3e4), (1e3, 2e4), c=(2e3, 7e5)))["how"]
 
 
 def test_verdict_on_dropping_and_v():
