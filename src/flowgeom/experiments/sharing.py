@@ -53,7 +53,7 @@ VALUE = ("v-input", "v-output", "v-svd")
 STRATEGIES = ("none",) + SHARE + DROP + VALUE
 
 # quick: 2 budgets x (a, b, c) + dropping (continuity, 2 random seeds) at 10% + V at 20% + reference = 13 runs,
-#   measured 12 min on 2 loaded cores (share 10-200 s: the 1536x1536 output-space Grams of gate/up are the
+#   measured 11 min on 2 loaded cores (share 10-200 s: the 1536x1536 output-space Grams of gate/up are the
 #   slow part; 2,048-token evaluate ~15 s; SmolLM2 load ~3 s). SmolLM2 loses ~20% of each matrix's norm to
 #   any positive saving, so the budgets are small.
 # full: 5 budgets x (a, b, c) + 4 x V x3 + dropping at 4 budgets (continuity + 5 seeds) + reference = 52 runs
