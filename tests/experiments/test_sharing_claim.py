@@ -216,3 +216,12 @@ def test_verdict_on_dropping_and_v():
 def test_verdict_without_a_comparable_pair_is_not_run():
     out = sharing.judge([_row("none", 0.0, 28.9), _row("seed-space", 0.1, 30.0), _row("opposite-space", 0.2, 40.0)])
     assert out["verdict"] == "not run" and "both seed-space and opposite-space" in out["how"]
+
+
+def test_the_claim_is_registered_with_the_presets():
+    from flowgeom.reproduce.claims_continuity import claims
+
+    [claim] = [c for c in claims() if c.id == "continuity.sharing"]
+    assert not claim.unavailable
+    assert claim.quick == sharing.sharing_grid("quick") and claim.full == sharing.sharing_grid("full")
+    assert claim.command("quick") == "flowgeom reproduce continuity --quick --only continuity.sharing"
