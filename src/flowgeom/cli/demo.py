@@ -30,9 +30,19 @@ def run_demo(args: argparse.Namespace) -> int:
         return 0
     out.rule("3/3  every seed claim: flowgeom reproduce all --quick")
     # resume=True: a second `make demo` reuses the finished runs instead of refusing the folder.
-    report = run("all", scale="quick", out=args.out, resume=True)
+    report = run("all", scale="quick", out=args.out, resume=True, skip_heavy=True)
     print_summary(report)
+    _print_left_out(out)
     return exit_code(report)
+
+
+def _print_left_out(out) -> None:
+    from flowgeom.reproduce.registry import AREAS, load_claims
+
+    for claim in load_claims(list(AREAS)):
+        if claim.heavy:
+            out.print(f"left out of the tour: {claim.id} ({claim.heavy}); run it with "
+                      f"`{claim.command('quick')}`", markup=False)
 
 
 def register(sub) -> None:

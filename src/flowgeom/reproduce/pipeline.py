@@ -165,11 +165,12 @@ def reproduce(claims: Sequence[Any], *, out: str | Path, scale: str = "quick", b
 
 def run(area: str = "all", *, scale: str = "quick", out: str | Path | None = None, backend: str = "local",
         jobs: int = 1, resume: bool = False, only: Sequence[str] | None = None, show_progress: bool = True,
-        claims: Sequence[Any] | None = None) -> dict[str, Any]:
+        claims: Sequence[Any] | None = None, skip_heavy: bool = False) -> dict[str, Any]:
     """Reproduce the claims of ``area`` (one area or ``"all"``) at ``scale``; returns :func:`reproduce`'s report.
 
     ``claims`` replaces the registry's claims (tests); ``out`` defaults to a
     fresh timestamped folder (with ``resume``, the latest one of this scale).
+    ``skip_heavy`` leaves out the claims marked ``heavy`` (the quick tour).
     """
     from flowgeom.reproduce.registry import AREAS, load_claims, select
 
@@ -179,6 +180,8 @@ def run(area: str = "all", *, scale: str = "quick", out: str | Path | None = Non
     else:
         claims = [c for c in claims if c.area in areas]
     claims = select(claims, only)
+    if skip_heavy:
+        claims = [c for c in claims if not c.heavy]
     out = Path(out) if out else default_out(scale, resume)
     line = " ".join(["flowgeom reproduce", area, f"--{scale}", "--out", str(out), "--backend", backend]
                     + (["--jobs", str(jobs)] if jobs != 1 else [])

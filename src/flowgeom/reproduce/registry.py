@@ -120,6 +120,7 @@ class Claim:
     run: RunFn | None = None
     verdict: Callable[[Sequence[RunRecord], Path], Verdict] = _no_verdict
     unavailable: str = ""
+    heavy: str = ""  # why the quick tour (`make demo`) leaves it out, e.g. minutes of real-model evaluation
 
     def __post_init__(self):
         if self.area not in AREAS:
