@@ -45,7 +45,7 @@ def _count_case(mt, part, overrides):
     entry = _laws(built.module)
     result = count(built.module)
     assert entry.count == result.laws, (mt, part, entry.count, result.laws)
-    assert built.expected is None or built.expected == entry.count  # H8's closed form agrees too
+    assert built.expected is None or built.expected == entry.count  # the hf: target's closed form agrees too
     return entry
 
 

@@ -125,7 +125,7 @@ def test_peft_lora_base_weights_give_no_laws():
     lora = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
     found = locate_blocks(lora, warn=False)
     params = {n for law in found.entry.laws for n in law.params}
-    assert params and all("lora_" in n for n in params)  # only the adapters' laws (H6), no frozen base
+    assert params and all("lora_" in n for n in params)  # only the adapters' laws, no frozen base
     assert not found.uncovered
 
 

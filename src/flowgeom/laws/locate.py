@@ -7,9 +7,9 @@ notes, and blocks it could not cover). A matched module's subtree is not
 visited again (a MoE's experts belong to the MoE).
 
 - **zoo**: :mod:`flowgeom.nn` classes, through :func:`flowgeom.laws.catalogue`;
-- **lora**: PEFT LoRA layers (slot filled by H6's :mod:`flowgeom.laws.lora`),
+- **lora**: PEFT LoRA layers (:mod:`flowgeom.laws.lora`),
   visited everywhere, also inside an attention block;
-- **moe**: HF sparse-MoE blocks (slot filled by :mod:`flowgeom.laws.moe_hf`);
+- **moe**: HF sparse-MoE blocks (:mod:`flowgeom.laws.moe_hf`);
 - **hf_attention** / **hf_mlp**: modules whose *class* is in the family table
   (:mod:`flowgeom.hf.families`) of the ``model_type`` of the nearest
   ``config``; head counts, GQA, head_dim, partial rotary from the config,
@@ -108,15 +108,13 @@ def _zoo(module: nn.Module, name: str, ctx: Context) -> Match | None:
     return None if entry is None else Match(entry)
 
 
-# ------------------------------------------------------------------ H6 slots: LoRA and MoE
+# ------------------------------------------------------------------ LoRA and MoE
 
 
 def _lora(module: nn.Module, name: str, ctx: Context) -> Match | None:
-    """PEFT LoRA layers (H6: :mod:`flowgeom.laws.lora`). Notes with "not covered" become uncovered blocks."""
-    try:
-        from flowgeom.laws.lora import is_lora_layer, lora_entry
-    except ImportError:  # pragma: no cover - until H6's module exists
-        return None
+    """PEFT LoRA layers (:mod:`flowgeom.laws.lora`). Notes with "not covered" become uncovered blocks."""
+    from flowgeom.laws.lora import is_lora_layer, lora_entry
+
     if not is_lora_layer(module):
         return None
     entry = lora_entry(module, name)
@@ -124,11 +122,9 @@ def _lora(module: nn.Module, name: str, ctx: Context) -> Match | None:
 
 
 def _moe(module: nn.Module, name: str, ctx: Context) -> Match | None:
-    """HF sparse-MoE blocks (H6: :mod:`flowgeom.laws.moe_hf`)."""
-    try:
-        from flowgeom.laws.moe_hf import is_moe_block, moe_entry
-    except ImportError:  # pragma: no cover - until H6's module exists
-        return None
+    """HF sparse-MoE blocks (:mod:`flowgeom.laws.moe_hf`)."""
+    from flowgeom.laws.moe_hf import is_moe_block, moe_entry
+
     if not is_moe_block(module):
         return None
     frozen = _frozen_state(module)
@@ -381,13 +377,13 @@ def _unknown(module: nn.Module, name: str, ctx: Context) -> Match | None:
 # (except by the LoRA slot, which runs on every module first).
 BLOCK_MATCHERS: list[tuple[str, Matcher]] = [
     ("zoo", _zoo),
-    ("moe", _moe),            # H6 slot: flowgeom.laws.moe_hf
+    ("moe", _moe),            # flowgeom.laws.moe_hf
     ("hf_attention", _hf_attention),
     ("hf_mlp", _hf_mlp),
     ("named", _named),
     ("unknown", _unknown),
 ]
-LORA_MATCHER: tuple[str, Matcher] = ("lora", _lora)  # H6 slot: flowgeom.laws.lora
+LORA_MATCHER: tuple[str, Matcher] = ("lora", _lora)  # flowgeom.laws.lora
 
 
 def _context(model: nn.Module, heads, head_dim, positions) -> Context:
