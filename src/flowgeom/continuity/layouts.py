@@ -118,15 +118,10 @@ def qkv_rows(layout: str, part: str, out_rows: int, hints: NamingHints) -> Rows:
     cfg_hd = (hints.config or {}).get("head_dim")
     if isinstance(cfg_hd, int) and not (hints.heads or hints.kv_heads) and cfg_hd != hd:
         raise LayoutError(f"config head_dim {cfg_hd} disagrees with {out_rows} fused rows / (H + 2·KV) = {hd}")
-    if layout == "blocked":  # q | k | v
-        start = (0, heads * hd, (heads + kv) * hd)[index]
-        size = (heads * hd, kv * hd, kv * hd)[index]
-        return ((start, start + size),)
-    if layout == "grouped":  # rows (KV, H/KV + 2, hd)
-        per = heads // kv + 2
-        group = per * hd
-        lo, hi = {"q": (0, per - 2), "k": (per - 2, per - 1), "v": (per - 1, per)}[part]
-        return tuple((g * group + lo * hd, g * group + hi * hd) for g in range(kv))
+    if layout in ("blocked", "grouped"):  # q | k | v, or rows (KV, H/KV + 2, hd)
+        from flowgeom.hf.families import qkv_ranges
+
+        return qkv_ranges(layout, part, heads, kv, hd)
     raise LayoutError(f"unknown fused layout {layout!r}")  # pragma: no cover - patterns name known layouts
 
 

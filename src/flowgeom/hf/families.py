@@ -204,6 +204,30 @@ FUSED: dict[str, dict[str, FusedLayout]] = {
 concat (H, 1, 1); new architecture: grouped; else per_head)."""
 
 
+def qkv_ranges(arrangement: str, part: str, heads: int, kv: int, head_dim: int) -> tuple[tuple[int, int], ...]:
+    """Row ranges ``[start, stop)`` of ``part`` (q, k or v) along a fused q|k|v axis, in head order.
+
+    ``blocked``: q | k | v, sizes (H, KV, KV)·head_dim (Phi-3, GPT-2's columns,
+    Falcon multi-query). ``grouped``: (KV, H/KV + 2, head_dim), each K/V group
+    holding its query heads, then k, then v (Falcon's new architecture;
+    GPT-NeoX is the case KV = H). The one place both the laws and the
+    continuity naming read fused attention rows from.
+    """
+    index = "qkv".index(part)
+    if arrangement == "blocked":
+        start = (0, heads * head_dim, (heads + kv) * head_dim)[index]
+        return ((start, start + (heads, kv, kv)[index] * head_dim),)
+    if arrangement == "grouped":
+        per = heads // kv + 2
+        lo, hi = ((0, per - 2), (per - 2, per - 1), (per - 1, per))[index]
+        return tuple((g * per * head_dim + lo * head_dim, g * per * head_dim + hi * head_dim) for g in range(kv))
+    raise FlowgeomError(f"unknown fused q|k|v arrangement {arrangement!r}; choose blocked or grouped")
+
+
+def _indices(ranges: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    return torch.cat([torch.arange(a, b) for a, b in ranges])
+
+
 def fused_rows(layout: FusedLayout, config: Any, fam: Family, size: int) -> dict[str, torch.Tensor]:
     """Indices along ``layout.axis`` of each role, for a fused axis of length ``size``.
 
@@ -231,17 +255,15 @@ def fused_rows(layout: FusedLayout, config: Any, fam: Family, size: int) -> dict
         if sum(sizes) != size:
             raise FlowgeomError(f"fused q|k|v axis has {size} entries, config says {sum(sizes)} ({H} heads, {G} K/V, "
                                 f"head_dim {hd}); the config does not match the weights")
-        parts = torch.arange(size).split(sizes)
-        return dict(zip(layout.roles, parts))
-    if arrangement == "per_head":
+        kv = n[units[1]]
+        return {r: _indices(qkv_ranges("blocked", r, H, kv, hd)) for r in layout.roles}
+    if arrangement == "per_head":  # (H, 3, head_dim): grouped with one K/V head per query head
         if 3 * H * hd != size:
             raise FlowgeomError(f"interleaved q|k|v axis has {size} entries, expected 3·{H}·{hd}")
-        grid = torch.arange(size).view(H, 3, hd)  # (H, 3, head_dim)
-        return {r: grid[:, i].reshape(-1) for i, r in enumerate(layout.roles)}
+        return {r: _indices(qkv_ranges("grouped", r, H, H, hd)) for r in layout.roles}
     if arrangement == "grouped":
         per = H // G + 2
         if G * per * hd != size:
             raise FlowgeomError(f"grouped q|k|v axis has {size} entries, expected {G}·{per}·{hd}")
-        grid = torch.arange(size).view(G, per, hd)  # (G, H/G + 2, head_dim)
-        return {"q": grid[:, :-2].reshape(-1), "k": grid[:, -2].reshape(-1), "v": grid[:, -1].reshape(-1)}
+        return {r: _indices(qkv_ranges("grouped", r, H, G, hd)) for r in ("q", "k", "v")}
     raise FlowgeomError(f"unknown fused arrangement {arrangement!r}")
