@@ -150,7 +150,10 @@ FULL = ConservationPreset(
     model=ConservationConfig(d_model=512, n_layers=12, heads=8, d_k=64, d_hidden=1376, seq_len=256, batch=64,
                              corpus_chars=0, n_train=1_281_167, log_every=100, checkpoint_every=1000),
 )
-PRESETS = {"quick": QUICK, "full": FULL}
+# Between the two for 2 CPU cores: the quick model trained 20x longer, long enough to separate laws from controls.
+CPU = ConservationPreset(lrs=(0.03, 0.1), seeds=2, steps=2000, regimes=("sgd",),
+                         model=ConservationConfig(log_every=50, checkpoint_every=500))
+PRESETS = {"quick": QUICK, "cpu": CPU, "full": FULL}
 
 
 # ---------------------------------------------------------------- data and model

@@ -213,6 +213,9 @@ def claims() -> list[Claim]:
                     for a in ("mha-rope-swiglu", "moe-top2-softmax"))
     drift_f = tuple({"scale": "full", "arch": a, "lr": lr, "seed": s}
                     for a in conservation.ARCHS for lr in full.lrs for s in range(full.seeds))
+    # cpu: the two architectures the issue names (RoPE attention with SwiGLU, top-2 MoE), 2000 SGD steps each
+    drift_c = tuple({"scale": "cpu", "arch": a, "lr": lr, "seed": s} for a in ("mha-rope-swiglu", "moe-top2-softmax")
+                    for lr in conservation.CPU.lrs for s in range(conservation.CPU.seeds))
     tau_q = ({"arch": "mha-rope-swiglu", "scale": "quick", "decay_steps": 80},)
     tau_f = tuple({"arch": a, "scale": "full", "decay_steps": scaling.FULL.decay_steps} for a in conservation.LM_ARCHS)
     # decay_steps 4: the router claim needs only the τ grid, not the schedule comparison.
@@ -221,7 +224,7 @@ def claims() -> list[Claim]:
                      ("moe-dense-softmax", "moe-dense-sigmoid", "moe-top2-softmax", "moe-top2-sigmoid"))
     return [
         Claim("conservation", "conservation.drift", "000", TEXTS["conservation.drift"], drift_q, drift_f, run_drift,
-              drift_verdict),
+              drift_verdict, cpu=drift_c),
         Claim("conservation", "conservation.tau-squared", "000", TEXTS["conservation.tau-squared"], tau_q, tau_f,
               run_scaling_claim, tau_verdict),
         Claim("conservation", "conservation.sigmoid-router", "000", TEXTS["conservation.sigmoid-router"], router_q,

@@ -22,6 +22,7 @@ from flowgeom.reproduce.registry import Claim, RunRecord, Verdict, guarded
 from flowgeom.runs import RunFolder
 
 ACTIVATED = ("Res+ReLU", "Res+GELU", "Res+SiLU")
+SCALE_VARIANTS = ("Res+ReLU init0.5", "Res+ReLU init2", "Res+ReLU Adam-b2=0")  # seed 001's init-scale and optimiser variants
 
 
 def _clean(row: Mapping[str, Any]) -> dict[str, Any]:
@@ -198,9 +199,13 @@ TEXTS = {
 def _mlp_claim() -> Claim:
     from flowgeom.experiments.continuity_mlp import CORE, summarise_run, train_mlp, variant_config  # noqa: F401
 
+    every = CORE + SCALE_VARIANTS
+
     return Claim("continuity", "continuity.mlp-ablation", "001", TEXTS["continuity.mlp-ablation"],
                  quick=tuple({"variant": v, "preset": "quick", "seed": 0, "steps": 300} for v in CORE),
-                 full=tuple({"variant": v, "preset": "full", "seed": s, "steps": None} for v in CORE for s in range(3)),
+                 full=tuple({"variant": v, "preset": "full", "seed": s, "steps": None} for v in every for s in range(3)),
+                 # the seed's model and data, one seed and 8000 steps (~17 epochs): ~6 min a variant on one core
+                 cpu=tuple({"variant": v, "preset": "full", "seed": 0, "steps": 8000, "log_every": 250} for v in every),
                  run=run_mlp, verdict=mlp_verdict)
 
 
@@ -210,6 +215,7 @@ def _lm_claim() -> Claim:
     return Claim("continuity", "continuity.lm-projection", "001", TEXTS["continuity.lm-projection"],
                  quick=({"preset": "quick", "mlp": "swiglu", "seed": 0, "steps": 200},),
                  full=tuple({"preset": "full", "mlp": m, "seed": 0, "steps": None} for m in ("swiglu", "gelu", "identity")),
+                 cpu=({"preset": "cpu", "mlp": "swiglu", "seed": 0, "steps": None},),
                  run=run_lm, verdict=lm_verdict)
 
 

@@ -159,6 +159,7 @@ def _darcy_claim() -> Claim:
             raise ImportError(f"flowgeom.experiments.darcy has no {name}")
     return Claim("langevin", "langevin.darcy", "004", TEXTS["langevin.darcy"],
                  quick=({"scale": "quick", "seed": 0},), full=grid(scale=["full"], seed=[0, 1, 2]),
+                 cpu=({"scale": "full", "seed": 0},),  # the full two-phase protocol, one seed: ~35 min on one core
                  run=run_darcy, verdict=darcy_verdict)
 
 

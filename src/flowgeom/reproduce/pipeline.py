@@ -163,6 +163,18 @@ def reproduce(claims: Sequence[Any], *, out: str | Path, scale: str = "quick", b
     return report | {"paths": {"markdown": str(md), "html": str(page)}, "sweep": result.as_dict()}
 
 
+def _with_cpu_grid(claims: Sequence[Any], only: Sequence[str] | None) -> list[Any]:
+    """The claims that have a CPU-scale grid; naming one that has none with ``--only`` is an error."""
+    missing = [c.id for c in claims if not c.cpu and not c.unavailable]
+    if only and missing:
+        raise FlowgeomError(f"claim(s) {', '.join(missing)} have no CPU-scale grid; run them with --quick, or --full "
+                            "on a machine that fits the seeds' configurations")
+    kept = [c for c in claims if c.cpu]
+    if not kept:
+        raise FlowgeomError("no selected claim has a CPU-scale grid; choose another area or --quick/--full")
+    return kept
+
+
 def run(area: str = "all", *, scale: str = "quick", out: str | Path | None = None, backend: str = "local",
         jobs: int = 1, resume: bool = False, only: Sequence[str] | None = None, show_progress: bool = True,
         claims: Sequence[Any] | None = None, skip_heavy: bool = False) -> dict[str, Any]:
@@ -182,6 +194,8 @@ def run(area: str = "all", *, scale: str = "quick", out: str | Path | None = Non
     claims = select(claims, only)
     if skip_heavy:
         claims = [c for c in claims if not c.heavy]
+    if scale == "cpu":
+        claims = _with_cpu_grid(claims, only)
     out = Path(out) if out else default_out(scale, resume)
     line = " ".join(["flowgeom reproduce", area, f"--{scale}", "--out", str(out), "--backend", backend]
                     + (["--jobs", str(jobs)] if jobs != 1 else [])

@@ -47,7 +47,9 @@ from flowgeom.runs import RunFolder, to_json
 
 AREAS = ("laws", "conservation", "continuity", "langevin")
 AREA_SEED = {"laws": "000", "conservation": "000", "continuity": "001", "langevin": "004"}
-SCALES = ("quick", "full")
+# quick: laptop minutes; cpu: the paper-scale protocol cut to what 2 CPU cores train in about two hours (the
+# seed's model where it fits, else the largest that does, fewer seeds); full: the seeds' own configurations.
+SCALES = ("quick", "cpu", "full")
 VERDICTS = ("reproduced", "not reproduced", "differs", "not run")
 SEEDS = {
     "000": "Conservation Laws for Modern Neural Architectures (seed 000)",
@@ -107,7 +109,7 @@ class Claim:
     ``area`` is one of :data:`AREAS`; ``id`` is unique and file-name safe
     (``area.name``); ``seed`` is the seed's number (``"000"``); ``text`` the
     claim as the seed states it (in English); ``quick``/``full`` the config
-    grids; ``unavailable`` a reason the claim cannot run here (then ``run``
+    grids (``cpu`` the CPU-scale cut of ``full``, see :data:`SCALES`); ``unavailable`` a reason the claim cannot run here (then ``run``
     is never called).
     """
 
@@ -120,6 +122,7 @@ class Claim:
     run: RunFn | None = None
     verdict: Callable[[Sequence[RunRecord], Path], Verdict] = _no_verdict
     unavailable: str = ""
+    cpu: tuple[Config, ...] = ()  # empty: the claim has no CPU-scale grid and `--cpu` leaves it out
     heavy: str = ""  # why the quick tour (`make demo`) leaves it out, e.g. minutes of real-model evaluation
 
     def __post_init__(self):
@@ -135,6 +138,8 @@ class Claim:
     def grid(self, scale: str) -> tuple[Config, ...]:
         if scale not in SCALES:
             raise choice_error("scale", scale, SCALES)
+        if scale == "cpu":
+            return tuple(self.cpu)
         return tuple(self.quick if scale == "quick" else (self.full or self.quick))
 
     def command(self, scale: str) -> str:
