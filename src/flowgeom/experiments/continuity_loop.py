@@ -12,7 +12,8 @@ Robustness contract (tested):
   optimiser, data-generator and ``W(0)`` from its last checkpoint, drops the
   metric lines logged after it, and reproduces the uninterrupted run's numbers
   exactly on CPU;
-- **NaN stop**: a non-finite loss logs that step, writes ``summary.json`` with
+- **NaN stop**: a non-finite loss logs that step (the shared divergence line
+  of :mod:`flowgeom.experiments.training`), writes ``summary.json`` with
   ``status: "nan"`` (all earlier metrics kept) and stops;
 - **seeds**: model init, batches and SVD start blocks all derive from ``seed``.
 """
@@ -29,6 +30,7 @@ from torch import nn
 
 from flowgeom.continuity.dynamics import ContinuityTracker
 from flowgeom.errors import FlowgeomError, choice_error
+from flowgeom.experiments.training import Step, checkpoint_state, loss_hook, restore_checkpoint, train_loop
 from flowgeom.runs import RunFolder
 
 OPTIMIZERS = ("sgd", "adam", "adam_b2_0")
@@ -76,6 +78,9 @@ def train_tracked(run: RunFolder, *, config: Mapping[str, Any], model: nn.Module
                   stop_after: int | None = None, label: str = "train") -> dict[str, Any] | None:
     """Train ``steps`` updates with continuity tracking; returns the summary.
 
+    The ticks are :func:`~flowgeom.experiments.training.train_loop`'s with
+    ``final_tick=False``: tick ``t`` draws a batch, backpropagates and
+    measures the tracker before the update (so step 0 is the initialisation).
     ``stop_after`` stops after that many updates without finishing the run
     (it simulates a kill in tests and lets long runs be done in slices); the
     return value is then ``None``. A finished run is not retrained on resume.
@@ -88,42 +93,39 @@ def train_tracked(run: RunFolder, *, config: Mapping[str, Any], model: nn.Module
     step0 = 0
     ckpt = run.load_checkpoint() if resume else None
     if ckpt is not None:
-        model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        gen.set_state(ckpt["generator"])
+        step0 = restore_checkpoint(ckpt, model=model, optimizer=optimizer, generator=gen)
         tracker.load_state_dict(ckpt["tracker"])
-        step0 = int(ckpt["step"])
     if resume:
         run.truncate_metrics(after_step=step0 - 1)
-    last: dict[str, Any] = {}
-    loss_value = math.nan
+
+    def forward(t: int) -> float:
+        batch = next_batch(gen)
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(model, batch)
+        value = float(loss.detach())
+        if math.isfinite(value):  # a non-finite loss ends the run at this tick: no backward
+            loss.backward()
+        return value
+
+    def save(t: int) -> None:
+        run.save_checkpoint(checkpoint_state(t, model=model, optimizer=optimizer, generator=gen,
+                                             tracker=tracker.state_dict()))
+
     with _progress(steps, label) as bar:
         task = bar.add_task(label, total=steps, completed=step0)
-        for step in range(step0, steps):
-            batch = next_batch(gen)
-            optimizer.zero_grad(set_to_none=True)
-            loss = loss_fn(model, batch)
-            loss_value = float(loss.detach())
-            if not math.isfinite(loss_value):
-                run.log({"step": step, "loss": loss_value})
-                summary = {"status": "nan", "step": step, "loss": loss_value,
-                           "message": f"loss became {loss_value} at step {step}; lower the learning rate",
-                           "last": last}
-                run.finish(summary)
-                return summary
-            loss.backward()
-            if step % log_every == 0 or step == steps - 1:
-                last = {"step": step, "loss": loss_value, "continuity": tracker.measure()}
-                run.log(last)
-            optimizer.step()
-            bar.advance(task)
-            done = step + 1
-            if done % ckpt_every == 0 and done < steps:
-                run.save_checkpoint({"step": done, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                                     "generator": gen.get_state(), "tracker": tracker.state_dict()})
-            if stop_after is not None and done >= stop_after and done < steps:
-                return None
-    summary = {"status": "finished", "steps": steps, "final_loss": loss_value, "last": last}
+        end = train_loop(Step(forward=forward, update=lambda t: optimizer.step()), steps=steps, start=step0,
+                         log=run.log, log_every=log_every,
+                         hooks=(loss_hook, lambda tick: {"continuity": tracker.measure()}),
+                         checkpoint=save, checkpoint_every=ckpt_every, stop_after=stop_after, final_tick=False,
+                         progress=lambda done: bar.update(task, completed=done))
+    if end.status == "stopped":
+        return None
+    if end.status == "diverged":
+        summary = {"status": "nan", "step": end.step, "loss": end.loss,
+                   "message": f"{end.message}; lower the learning rate", "last": end.last}
+        run.finish(summary)
+        return summary
+    summary = {"status": "finished", "steps": steps, "final_loss": end.loss, "last": end.last}
     if evaluate is not None:
         model.eval()
         with torch.no_grad():
