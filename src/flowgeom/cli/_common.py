@@ -43,6 +43,22 @@ def add_seed(parser: argparse.ArgumentParser, default: int | None = 0, *, help: 
                         help=help or f"random seed, 0 <= seed < 2**63 (default {shown})")
 
 
+def add_scale(parser: argparse.ArgumentParser, helps: dict[str, str], *, default: str = "quick",
+              preset_alias: bool = False) -> None:
+    """Mutually exclusive ``--quick``/``--cpu``/``--full`` (the keys of ``helps``) into ``args.scale``.
+
+    One builder so that a scale name means the same preset in every command;
+    ``preset_alias`` also accepts the older ``--preset NAME`` spelling.
+    """
+    group = parser.add_mutually_exclusive_group()
+    for name, text in helps.items():
+        group.add_argument(f"--{name}", dest="scale", action="store_const", const=name,
+                           help=f"{text} (default)" if name == default else text)
+    if preset_alias:
+        group.add_argument("--preset", dest="scale", choices=tuple(helps), help="same as --" + "/--".join(helps))
+    parser.set_defaults(scale=default)
+
+
 def add_threads(parser: argparse.ArgumentParser, default: int | None = 1, *, help: str | None = None) -> None:
     """``--threads N`` with 1 <= N <= the CPUs of this machine (checked when parsed)."""
     shown = "torch's" if default is None else default

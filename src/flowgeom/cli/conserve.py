@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from flowgeom.cli._common import (
-    AppendDistinct, add_device, add_json, add_seed, add_threads, apply_threads, area, bounded_int, command, console,
-    nonneg_float, positive_int, print_json, resolve_device, step_size,
+    AppendDistinct, add_device, add_json, add_scale, add_seed, add_threads, apply_threads, area, bounded_int, command,
+    console, nonneg_float, positive_int, print_json, resolve_device, step_size,
 )
 from flowgeom.errors import FlowgeomError
 
@@ -65,10 +65,10 @@ def _run_base(args: argparse.Namespace, preset):
 
 
 def run_cmd(args: argparse.Namespace) -> int:
-    from flowgeom.experiments.conservation import ARCHS, FULL, QUICK, plot_grid, run_grid
+    from flowgeom.experiments.conservation import ARCHS, PRESETS, plot_grid, run_grid
 
     _threads(args)
-    preset = FULL if args.full else QUICK
+    preset = PRESETS[args.scale]
     archs = args.arch or [a for a in ARCHS if args.task in ("both", ARCHS[a]["task"])]
     unknown = [a for a in archs if a not in ARCHS]
     if unknown:
@@ -140,7 +140,7 @@ def scaling_cmd(args: argparse.Namespace) -> int:
     from flowgeom.experiments.scaling import FULL, QUICK, run_scaling
 
     _threads(args)
-    cfg = FULL if args.full else QUICK
+    cfg = FULL if args.scale == "full" else QUICK
     changes: dict[str, Any] = {"seed": args.seed, "device": args.device}
     if args.arch:
         changes["archs"] = tuple(args.arch)
@@ -192,10 +192,14 @@ def _print_scaling(result: dict[str, Any]) -> None:
     con.print(f"figure: {result['figure']}")
 
 
-def _common(p: argparse.ArgumentParser, default_out: str, *, steps_type=positive_int(maximum=10**9)) -> None:
-    size = p.add_mutually_exclusive_group()
-    size.add_argument("--quick", action="store_true", help="laptop-scale defaults (the default; < 3 min on 2 cores)")
-    size.add_argument("--full", action="store_true", help="paper-scale configuration (GPU / cluster; give dataset paths)")
+SCALE_HELP = {"quick": "laptop-scale defaults (< 3 min on 2 cores)",
+              "cpu": "the quick models trained 20x longer, SGD only (~1 min a run on one core)",
+              "full": "paper-scale configuration (GPU / cluster; give dataset paths)"}
+
+
+def _common(p: argparse.ArgumentParser, default_out: str, *, steps_type=positive_int(maximum=10**9),
+            scales: tuple[str, ...] = ("quick", "cpu", "full")) -> None:
+    add_scale(p, {name: SCALE_HELP[name] for name in scales})
     p.add_argument("--out", default=default_out, help=f"output folder (default {default_out})")
     p.add_argument("--resume", action="store_true", help="continue killed runs from their checkpoints; skip finished ones")
     add_seed(p, help="first random seed, 0 <= seed < 2**63 (default 0)")
@@ -236,7 +240,7 @@ def register(sub) -> None:
                 example="flowgeom conserve scaling --quick --out runs/scaling\n"
                         "flowgeom conserve scaling --arch moe-dense-sigmoid --tau 0.04 --tau 0.02 --tau 0.01 --json",
                 func=scaling_cmd)
-    _common(p, "runs/scaling", steps_type=bounded_int(3, 10**9))
+    _common(p, "runs/scaling", steps_type=bounded_int(3, 10**9), scales=("quick", "full"))
     p.add_argument("--tau", type=step_size, action=AppendDistinct,
                    help="step size τ in (0, 1e6] (repeatable, distinct; ≥ 3 values)")
     p.add_argument("--decay-steps", type=bounded_int(4, 10**9), default=None,

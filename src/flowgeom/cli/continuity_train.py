@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 
 from flowgeom.cli._common import (
-    add_device, add_json, add_seed, add_threads, apply_threads, command, console, figure_path, positive_float,
+    add_device, add_json, add_scale, add_seed, add_threads, apply_threads, command, console, figure_path, positive_float,
     positive_int, print_json, resolve_device, step_size,
 )
 from flowgeom.cli._common import boolean
@@ -101,7 +101,8 @@ def _raise_unfinished(summary: dict | None, out: str) -> None:
 
 
 def _common_run_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="quick", choices=("quick", "full"), help="scale (default quick)")
+    add_scale(p, {"quick": "laptop scale: minutes on 2 cores", "cpu": "the largest that trains here in ~30 min a run",
+                  "full": "the seed's configuration (GPU for the LM)"}, preset_alias=True)
     p.add_argument("--out", required=True, help="run folder (created; refused if it holds a run, unless --resume)")
     p.add_argument("--resume", action="store_true", help="continue a killed run from its last checkpoint")
     p.add_argument("--steps", type=positive_int(maximum=10**9), help="number of updates >= 1 (default: the preset's)")
@@ -127,7 +128,7 @@ def train(args: argparse.Namespace) -> int:
         from flowgeom.runs import RunFolder
 
         opts |= _typed_sets(args, MLPRunConfig)
-        cfg = variant_config(args.variant, args.preset, **opts, **_overrides(args, ("mnist_path",)))
+        cfg = variant_config(args.variant, args.scale, **opts, **_overrides(args, ("mnist_path",)))
         summary = train_mlp(cfg, args.out, resume=args.resume)
         _raise_unfinished(summary, args.out)
         row = summarise_run(RunFolder(args.out))
@@ -140,7 +141,7 @@ def train(args: argparse.Namespace) -> int:
     from flowgeom.runs import RunFolder
 
     opts |= _typed_sets(args, LMRunConfig)
-    cfg = lm_config(args.preset, **opts, **_overrides(args, ("data", "mlp")))
+    cfg = lm_config(args.scale, **opts, **_overrides(args, ("data", "mlp")))
     summary = train_lm(cfg, args.out, resume=args.resume)
     _raise_unfinished(summary, args.out)
     pattern = projection_pattern(RunFolder(args.out).metrics())
@@ -184,7 +185,7 @@ def ablate(args: argparse.Namespace) -> int:
 
     opts = {**_overrides(args, ("steps", "lr", "optimizer", "log_every", "mnist_path")), "seed": args.seed,
             "device": args.device, **_typed_sets(args, MLPRunConfig)}
-    rows = run_ablation(args.out, preset=args.preset, variants=variants, resume=args.resume, **opts)
+    rows = run_ablation(args.out, preset=args.scale, variants=variants, resume=args.resume, **opts)
     figure = ablation_figure(args.out, variants, args.figure or Path(args.out) / "ablation.png")
     from flowgeom.runs import atomic_write_json
 
@@ -219,7 +220,7 @@ def register_verbs(verbs) -> None:
     """Add ``train``, ``ablate`` and ``plot`` to the ``continuity`` area's verb sub-parsers."""
     p = command(verbs, "train", help="train a residual MLP (MNIST) or a small Llama LM with continuity tracking",
                 example="flowgeom continuity train mlp --variant Res+None --out runs/res_none\n"
-                        "flowgeom continuity train lm --preset quick --out runs/lm --mlp swiglu",
+                        "flowgeom continuity train lm --quick --out runs/lm --mlp swiglu",
                 func=train)
     p.add_argument("model", choices=("mlp", "lm"), help="residual MLP on MNIST or Llama-style LM on text")
     p.add_argument("--variant", default="Res+ReLU", help="MLP ablation variant (see `continuity ablate --help`)")
@@ -230,7 +231,7 @@ def register_verbs(verbs) -> None:
 
     p = command(verbs, "ablate", help="residual-MLP ablation table on MNIST, next to the seed's claims",
                 example="flowgeom continuity ablate --out runs/ablation           # core variants, quick\n"
-                        "flowgeom continuity ablate --variants all --preset full --out runs/ablation_full",
+                        "flowgeom continuity ablate --variants all --full --out runs/ablation_full",
                 func=ablate)
     p.add_argument("--variants", default="core",
                    help="core | all | comma list of: Res+ReLU, Res+GELU, Res+SiLU, NoRes, Res+None, Res+Radial, Res+Radial-rms, "

@@ -13,7 +13,7 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
-from flowgeom.cli._common import AppendDistinct, add_json, command, positive_int, print_json
+from flowgeom.cli._common import AppendDistinct, add_json, add_scale, command, positive_int, print_json
 from flowgeom.reproduce.pipeline import DEFAULT_ROOT
 
 AREA_CHOICES = ("laws", "conservation", "continuity", "langevin", "all")
@@ -47,7 +47,7 @@ def run_reproduce(args: argparse.Namespace, *, claims: Sequence[Any] | None = No
     """The CLI handler; ``claims`` overrides the registry (tests)."""
     from flowgeom.reproduce.pipeline import run
 
-    report = run(args.area, scale="full" if args.full else "cpu" if args.cpu else "quick", out=args.out, backend=args.backend,
+    report = run(args.area, scale=args.scale, out=args.out, backend=args.backend,
                  jobs=args.jobs, resume=args.resume, only=args.only, show_progress=not args.json, claims=claims)
     if args.json:
         print_json({"report": report["paths"], "sweep": report["sweep"], "seconds": report["seconds"],
@@ -71,12 +71,10 @@ def register(sub) -> None:
     )
     p.add_argument("area", nargs="?", default="all", choices=AREA_CHOICES, metavar="AREA",
                    help="laws, conservation, continuity, langevin or all (default all)")
-    scale = p.add_mutually_exclusive_group()
-    scale.add_argument("--quick", action="store_true", help="laptop-scale grids (default)")
-    scale.add_argument("--cpu", action="store_true",
-                       help="the paper-scale protocols cut to what 2 CPU cores train in about two hours "
-                            "(the claims that have such a grid; results/full/ holds their outputs)")
-    scale.add_argument("--full", action="store_true", help="paper-scale grids (the seeds' own configurations)")
+    add_scale(p, {"quick": "laptop-scale grids",
+                  "cpu": "the paper-scale protocols cut to what 2 CPU cores train in about two hours "
+                         "(the claims that have such a grid; results/full/ holds their outputs)",
+                  "full": "paper-scale grids (the seeds' own configurations)"})
     p.add_argument("--out", default=None, help=f"sweep folder (default {DEFAULT_ROOT}/<scale>-<UTC time>; "
                    "with --resume and no --out, the latest one)")
     p.add_argument("--backend", default="local", choices=("local", "ray"),
