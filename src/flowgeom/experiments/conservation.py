@@ -22,7 +22,8 @@ optimiser, data generator and the monitor's θ_0 reference, so a killed run
 resumed with ``resume=True`` ends with exactly the metrics of an
 uninterrupted one (CPU, same seed). A non-finite loss stops the run at the
 step where it appears with :class:`FlowgeomError`; the metrics up to that
-step stay on disk.
+step stay on disk, the last line being the shared divergence line of
+:mod:`flowgeom.experiments.training` (``diverged: true``, ``message``).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from torch import nn
 
 from flowgeom.errors import FlowgeomError, choice_error, require_choices
 from flowgeom.laws.monitor import ConservationMonitor, warn_plain_gd_only
+from flowgeom.experiments.training import Step, Tick, checkpoint_state, loss_hook, restore_checkpoint, train_loop
 from flowgeom.runs import RunFolder
 
 TASKS = ("lm", "vit")
@@ -250,8 +252,9 @@ def step_size(cfg: ConservationConfig, k: int) -> float:
 
 # ---------------------------------------------------------------- one run
 
-def _record(monitors: Mapping[str, ConservationMonitor], k: int, time: float, loss: float) -> dict[str, Any]:
-    rec: dict[str, Any] = {"step": k, "time": time, "loss": loss}
+def _record(monitors: Mapping[str, ConservationMonitor], k: int, time: float) -> dict[str, Any]:
+    """ε(k) of every monitor at step ``k`` and flow time ``time``, keys prefixed by the monitor's prefix."""
+    rec: dict[str, Any] = {}
     for prefix, mon in monitors.items():
         decay_log = -k * math.log1p(-mon.lr * mon.weight_decay) if mon.rescale == "sgd" else None
         rec.update({prefix + key: v for key, v in mon.measure(time=time, decay_log=decay_log).items()})
@@ -263,6 +266,9 @@ def run_conservation(cfg: ConservationConfig, out: str | Path, *, resume: bool =
                      ) -> dict[str, Any] | None:
     """Train once and write the run folder ``out``; returns the summary.
 
+    The ticks are :func:`~flowgeom.experiments.training.train_loop`'s: tick
+    ``k`` logs ``step``, flow ``time``, the batch loss at ``θ_k`` and every
+    monitor's ε(k); the last tick (``k = steps``) only measures.
     ``stop_after`` (tests only) returns ``None`` after that many optimiser
     steps without finishing, as a kill would. A finished run is not redone.
     """
@@ -284,42 +290,46 @@ def run_conservation(cfg: ConservationConfig, out: str | Path, *, resume: bool =
             monitors["wd-sgd/"] = ConservationMonitor(model, every=cfg.log_every, per_block=False, warn=False,
                                                       weight_decay=cfg.weight_decay, lr=cfg.lr, rescale="sgd")
     gen = torch.Generator().manual_seed(cfg.seed)
-    start, time = 0, 0.0
+    start, clock = 0, {"time": 0.0}  # clock: Σ τ_k of the updates done (the flow time of θ_k)
     ckpt = run.load_checkpoint() if resume else None
     if ckpt is not None:
-        model.load_state_dict(ckpt["model"])
-        opt.load_state_dict(ckpt["optimizer"])
-        gen.set_state(ckpt["generator"])
+        start = restore_checkpoint(ckpt, model=model, optimizer=opt, generator=gen)
         for prefix, mon in monitors.items():
             mon.load_state_dict(ckpt["monitors"][prefix])
-        start, time = ckpt["step"], ckpt["time"]
+        clock["time"] = ckpt["time"]
     run.truncate_metrics(after_step=start - 1)
-    for k in range(start, cfg.steps + 1):
-        if k % cfg.checkpoint_every == 0 and (k > start or ckpt is None):
-            run.save_checkpoint({"step": k, "time": time, "model": model.state_dict(), "optimizer": opt.state_dict(),
-                                 "generator": gen.get_state(), "monitors": {p: m.state_dict() for p, m in monitors.items()}})
+    batch_loss: dict[str, torch.Tensor] = {}
+
+    def forward(k: int) -> float:
         x, y = task.batch(gen)
-        loss = task.loss(model(x), y)
-        value = float(loss.detach())
-        if not math.isfinite(value):
-            run.log({"step": k, "time": time, "loss": value, "diverged": True})
-            raise FlowgeomError(f"training diverged at step {k}: the loss is {value} (lr={cfg.lr}); metrics up to "
-                                f"step {k} are in {run.path}; lower --lr")
-        if k % cfg.log_every == 0 or k == cfg.steps:
-            run.log(_record(monitors, k, time, value))
-        if progress is not None:
-            progress(k, cfg.steps)
-        if k == cfg.steps:
-            break
+        batch_loss["k"] = task.loss(model(x), y)
+        return float(batch_loss["k"].detach())
+
+    def update(k: int) -> None:
         tau = step_size(cfg, k)
         for group in opt.param_groups:
             group["lr"] = tau
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        batch_loss.pop("k").backward()
         opt.step()
-        time += tau
-        if stop_after is not None and k + 1 >= stop_after:
-            return None
+        clock["time"] += tau
+
+    def save(k: int) -> None:
+        run.save_checkpoint(checkpoint_state(k, model=model, optimizer=opt, generator=gen, time=clock["time"],
+                                             monitors={p: m.state_dict() for p, m in monitors.items()}))
+
+    def measure(tick: Tick) -> dict[str, Any]:
+        return _record(monitors, tick.step, clock["time"])
+
+    end = train_loop(Step(forward=forward, update=update), steps=cfg.steps, start=start, log=run.log,
+                     log_every=cfg.log_every, context=lambda k: {"step": k, "time": clock["time"]},
+                     hooks=(loss_hook, measure), checkpoint=save, checkpoint_every=cfg.checkpoint_every,
+                     stop_after=stop_after, progress=None if progress is None else lambda done: progress(done, cfg.steps))
+    if end.status == "stopped":
+        return None
+    if end.status == "diverged":
+        raise FlowgeomError(f"training diverged at step {end.step}: the loss is {end.loss} (lr={cfg.lr}); metrics up "
+                            f"to step {end.step} are in {run.path}; lower --lr")
     metrics = run.metrics()
     summary = {"final": metrics[-1], "steps": cfg.steps, "families": monitors[""].families("eps"),
                "controls": monitors[""].families("control"), "refuted": monitors[""].families("refuted"),
