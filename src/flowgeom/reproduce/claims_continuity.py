@@ -51,17 +51,176 @@ def _mean(rows: list[dict[str, Any]], variant: str, key: str) -> float:
     return sum(vals) / len(vals) if vals else math.nan
 
 
+# --- gradient → weight transfer and plateau measures (seed 001, "Dinámicas de transferencia") ---------------------
+TAIL = 0.25                          # plateau window: the last quarter of the logged steps
+PLATEAU_RTOL, PLATEAU_ATOL = 0.05, 0.01  # plateaued: |Δ w_v1| over the window <= max(5 % of final, 0.01)
+ONSET_FRACTION = 0.5                 # onset threshold: chance + 1/2 (final - chance)
+
+
+def _finite(steps: Sequence[int], values: Sequence[float]) -> tuple[list[int], list[float]]:
+    pts = [(int(s), float(v)) for s, v in zip(steps, values) if v is not None and math.isfinite(v)]
+    return [s for s, _ in pts], [v for _, v in pts]
+
+
+def plateau(steps: Sequence[int], values: Sequence[float], *, tail: float = TAIL, rtol: float = PLATEAU_RTOL,
+            atol: float = PLATEAU_ATOL) -> tuple[float | None, bool | None]:
+    """``(relative change, plateaued)`` of a trajectory over its last ``tail`` fraction of steps.
+
+    With finite logged points ``t_0 < … < t_n`` and ``t_a`` the latest logged
+    step ``<= t_n - tail·(t_n - t_0)``::
+
+        change    = (v(t_n) - v(t_a)) / |v(t_n)|          (signed: > 0 still rising)
+        plateaued = |v(t_n) - v(t_a)| <= max(rtol·|v(t_n)|, atol)
+
+    ``atol`` is a noise floor for values near chance (0.05 in 256-D), where a
+    relative change means little. ``(None, None)`` with fewer than two points.
+    """
+    steps, values = _finite(steps, values)
+    if len(steps) < 2:
+        return None, None
+    cut = steps[-1] - tail * (steps[-1] - steps[0])
+    v_a = [v for s, v in zip(steps, values) if s <= cut][-1]
+    diff, final = values[-1] - v_a, values[-1]
+    change = diff / abs(final) if final != 0 else (0.0 if diff == 0 else math.copysign(math.inf, diff))
+    return change, abs(diff) <= max(rtol * abs(final), atol)
+
+
+def crossing_step(steps: Sequence[int], dw_ratio: Sequence[float], *, level: float = 1.0) -> int | None:
+    """First logged step where the mean over layers of ``||ΔW_l|| / ||W_l(0)||`` reaches ``level`` (None: never).
+
+    Resolution is the logging interval: the true crossing lies between the
+    previous logged step and the one returned.
+    """
+    steps, values = _finite(steps, dw_ratio)
+    return next((s for s, v in zip(steps, values) if v >= level), None)
+
+
+def onset_step(steps: Sequence[int], w_v1: Sequence[float], chance: float, *, fraction: float = ONSET_FRACTION,
+               min_rise: float | None = None) -> int | None:
+    """Onset of weight continuity: the first logged step from which ``w_v1`` stays at or above the threshold.
+
+    With ``final = w_v1(t_n)``::
+
+        threshold = chance + fraction · (final - chance)
+        onset     = min { t_i : w_v1(t_j) >= threshold for every logged t_j >= t_i }
+
+    "Stays" rather than "first exceeds", so that a random spike at
+    initialisation is not an onset. None when continuity never rises
+    (``final - chance < min_rise``, by default ``chance / 2``, i.e. final below
+    1.5 × chance) or there is no finite point.
+    """
+    steps, values = _finite(steps, w_v1)
+    if not steps:
+        return None
+    rise = values[-1] - chance
+    if rise < (0.5 * chance if min_rise is None else min_rise):
+        return None
+    threshold = chance + fraction * rise
+    onset = steps[-1]
+    for s, v in zip(reversed(steps), reversed(values)):
+        if v < threshold:
+            break
+        onset = s
+    return onset
+
+
+def _run_metrics(path: Path) -> list[dict[str, Any]]:
+    """The metrics records of one ablation run folder (its training run lives in ``run/``)."""
+    for folder in (Path(path) / "run", Path(path)):
+        records = RunFolder(folder).metrics()
+        if records:
+            return records
+    return []
+
+
+def transfer_row(records: Sequence[Mapping[str, Any]], *, role: str = "hidden") -> dict[str, Any]:
+    """Plateau and transfer measures of one run's metrics records (see :func:`plateau`, :func:`crossing_step`,
+    :func:`onset_step`); every value is None when the run logged no continuity."""
+    from flowgeom.continuity.dynamics import series
+
+    recs = [r for r in records if role in (r.get("continuity") or {})]
+    if not recs:
+        return {"last_step": None, "chance": None, "w_v1_tail_rel": None, "plateaued": None, "dW>W0_step": None,
+                "w_onset_step": None}
+    steps, w = series(recs, role, "weight", "v1")
+    dw_steps, dw = series(recs, role, None, "dw_ratio")
+    chance = float(recs[-1]["continuity"][role]["v1_baseline"])
+    change, flat = plateau(steps, w)
+    return {"last_step": steps[-1], "chance": chance, "w_v1_tail_rel": change, "plateaued": flat,
+            "dW>W0_step": crossing_step(dw_steps, dw), "w_onset_step": onset_step(steps, w, chance)}
+
+
+def _variant_order(names: Sequence[str]) -> list[str]:
+    from flowgeom.experiments.continuity_mlp import CORE
+
+    known = [v for v in CORE + SCALE_VARIANTS if v in names]
+    return known + [v for v in dict.fromkeys(names) if v not in known]
+
+
+def _seed_comparison(w: Mapping[str, float], g: Mapping[str, float]) -> str:
+    parts = [f"{name} {key} {vals[name]:.2f} (seed {seed})" for name, key, vals, seed in (
+        ("Res+None", "w_v1", w, "~0.22"), ("Res+None", "g_v1", g, "0.93"), ("NoRes", "g_v1", g, "~0.05"))
+        if name in vals]
+    return ("against the seed: " + ", ".join(parts)) if parts else ""
+
+
+def _scale_text(w: Mapping[str, float], g: Mapping[str, float]) -> str:
+    present = [v for v in SCALE_VARIANTS if v in w]
+    if not present:
+        return ""
+    ref = f"; Res+ReLU w_v1 {w['Res+ReLU']:.2f}" if "Res+ReLU" in w else ""
+    return ("init-scale and optimiser variants (the seed varies them without giving a number; reported, not "
+            "judged): " + ", ".join(f"{v} w_v1 {w[v]:.2f}, g_v1 {g[v]:.2f}" for v in present) + ref)
+
+
+def _transfer_text(dyn: Sequence[Mapping[str, Any]]) -> str:
+    both = [d for d in dyn if d["dW>W0_step"] is not None and d["w_onset_step"] is not None]
+    never = list(dict.fromkeys(d["variant"] for d in dyn if d["dW>W0_step"] is None))
+    no_onset = list(dict.fromkeys(d["variant"] for d in dyn if d["w_onset_step"] is None))
+    parts = []
+    if both:
+        parts.append("||ΔW|| overtakes ||W0|| at step / weight-continuity onset at step: " + ", ".join(
+            f"{d['variant']} {d['dW>W0_step']}/{d['w_onset_step']}" for d in both))
+        after = sum(d["w_onset_step"] >= d["dW>W0_step"] for d in both)
+        parts.append(f"onset at or after the crossing in {after} of {len(both)} runs")
+    if never:
+        parts.append("||ΔW|| never overtakes ||W0||: " + ", ".join(never))
+    if no_onset:
+        parts.append("no weight-continuity onset (final w_v1 < 1.5 × chance): " + ", ".join(no_onset))
+    return "; ".join(parts)
+
+
 def mlp_verdict(runs: Sequence[RunRecord], figures_dir: Path) -> Verdict:
+    """The ablation table, a bar chart, weight/gradient trajectories and the gradient → weight transfer figure.
+
+    Per run, from its ``metrics.jsonl``: the relative change of weight ``v1``
+    over the last quarter of the logged steps and whether it has plateaued
+    (:func:`plateau`), the step where the mean ``||ΔW_l||/||W_l(0)||``
+    reaches 1 (:func:`crossing_step`) and the onset of weight continuity
+    (:func:`onset_step`: first logged step from which ``w_v1`` stays at or
+    above ``chance + (final - chance)/2``). The checks are the seed's
+    statements about the core variants; the init-scale and Adam β₂=0
+    variants, which the seed lists as varied without a number, are reported.
+    """
+    from flowgeom.experiments.continuity_figures import plot_trajectories, plot_transfer
     from flowgeom.report.figures import paired_bars
 
+    order = _variant_order([r.summary["variant"] for r in runs])
+    runs = sorted(runs, key=lambda r: (order.index(r.summary["variant"]), str(r.config.get("seed"))))
     rows = [dict(r.summary, seed=r.config.get("seed")) for r in runs]
-    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    metrics = [_run_metrics(r.path) for r in runs]
+    dyn = [dict(transfer_row(m), variant=row["variant"], seed=row["seed"]) for m, row in zip(metrics, rows)]
+    variants = order
     w = {v: _mean(rows, v, "w_v1") for v in variants}
     g = {v: _mean(rows, v, "g_v1") for v in variants}
     base = _mean(rows, variants[0], "baseline")
-    fig = paired_bars(figures_dir / "mlp-ablation.png", variants, [w[v] for v in variants], [g[v] for v in variants],
-                      names=("weight continuity |cos v1|", "gradient continuity |cos v1|"),
-                      title=f"residual MLP on MNIST (chance ≈ {base:.3f})", ylabel="|cos| adjacent layers")
+    bars = paired_bars(figures_dir / "mlp-ablation.png", variants, [w[v] for v in variants], [g[v] for v in variants],
+                       names=("weight continuity |cos v1|", "gradient continuity |cos v1|"),
+                       title=f"residual MLP on MNIST (chance ≈ {base:.3f})", ylabel="|cos| adjacent layers")
+    traj = plot_trajectories([(row["variant"], m) for row, m in zip(rows, metrics)],
+                             figures_dir / "mlp-trajectories.png", tail=TAIL)
+    transfer = plot_transfer(dyn, figures_dir / "mlp-transfer.png")
+    figs = (bars, traj, transfer)
     checks = []
     act = [w[v] for v in ACTIVATED if v in w]
     if act and "NoRes" in g:
@@ -73,17 +232,27 @@ def mlp_verdict(runs: Sequence[RunRecord], figures_dir: Path) -> Verdict:
         checks.append(("Res+Radial: low weight continuity (seed v1 ~0.22)", w["Res+Radial"] < min(act)))
     if act and "NoRes" in w:
         checks.append(("Res+ReLU/GELU/SiLU: high weight continuity, above NoRes", min(act) > w["NoRes"]))
-    text = "; ".join(f"{v}: w_v1 {w[v]:.2f}, g_v1 {g[v]:.2f}" for v in variants) + f" (chance {base:.3f})"
-    table = tuple({k: r.get(k) for k in ("variant", "seed", "w_v1", "w_v1_peak", "w_u1", "g_v1", "dw", "acc")}
-                  for r in rows)
+    moving = list(dict.fromkeys(d["variant"] for d in dyn if d["plateaued"] is False))
+    plateau_text = (f"w_v1 not plateaued (change over the last {TAIL:.0%} of steps > {PLATEAU_RTOL:.0%} of final "
+                    f"and > {PLATEAU_ATOL}): " + ", ".join(moving)) if moving else \
+        f"every variant's w_v1 has plateaued (last {TAIL:.0%} of steps)"
+    text = "; ".join(part for part in (
+        "; ".join(f"{v}: w_v1 {w[v]:.2f}, g_v1 {g[v]:.2f}" for v in variants) + f" (chance {base:.3f})",
+        _seed_comparison(w, g), _scale_text(w, g), plateau_text, _transfer_text(dyn)) if part)
+    table = tuple({**{k: r.get(k) for k in ("variant", "seed", "w_v1", "w_v1_peak", "w_u1", "g_v1", "g_v1_init",
+                                            "dw", "acc")},
+                   **{k: d[k] for k in ("last_step", "w_v1_tail_rel", "plateaued", "dW>W0_step", "w_onset_step")}}
+                  for r, d in zip(rows, dyn))
+    provisional = f"provisional, w_v1 still moving in {', '.join(moving)}" if moving else ""
     failed = [name for name, ok in checks if not ok]
     if not checks:
-        return Verdict(text, "not run", how="the grid lacks the variants the claim compares", figures=(fig,),
+        return Verdict(text, "not run", how="the grid lacks the variants the claim compares", figures=figs,
                        table=table)
     if failed:
         verdict = "not reproduced" if len(failed) == len(checks) else "differs"
-        return Verdict(text, verdict, how="does not hold: " + "; ".join(failed), figures=(fig,), table=table)
-    return Verdict(text, "reproduced", how="", figures=(fig,), table=table)
+        how = "does not hold: " + "; ".join(failed) + (f" ({provisional})" if provisional else "")
+        return Verdict(text, verdict, how=how, figures=figs, table=table)
+    return Verdict(text, "reproduced", how=provisional, figures=figs, table=table)
 
 
 def lm_run_config(config: Mapping[str, Any]):
