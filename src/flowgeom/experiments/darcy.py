@@ -20,8 +20,10 @@ convergence-rate table: time (steps) for the train MSE to reach
 Runs write one :class:`~flowgeom.runs.RunFolder`; a checkpoint every
 ``checkpoint_every`` steps makes ``resume=True`` continue a killed run and
 end with exactly the metrics of an uninterrupted one (on CPU). A chain that
-blows up (non-finite loss or weights) stops its arm with the message logged
-and the metrics kept; the other arms still run.
+blows up (non-finite loss, weights or metrics) stops its arm with the shared
+divergence line of :mod:`flowgeom.experiments.training` logged (plus
+``event: "blew_up"``) and the metrics kept; the other arms still run. A
+diverged pretraining raises :class:`FlowgeomError` after logging that line.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import torch
 from flowgeom.data.darcy import DarcySet, generate, load_shipped
 from flowgeom.errors import FlowgeomError, choice_error
 from flowgeom.experiments.darcy_model import DarcyViT, init_, uniform_
+from flowgeom.experiments.training import Diverged, Step, checkpoint_state, restore_checkpoint, train_loop
 from flowgeom.langevin import Langevin, Regularizer, check_loss, select
 from flowgeom.langevin.optimizer import check_hyper
 from flowgeom.langevin.regularizers import KINDS
@@ -128,10 +131,6 @@ def evaluate(model: DarcyViT, data: DarcySet, mu: float, sigma: float) -> dict[s
 
 
 # -- the protocol --------------------------------------------------------------------------------
-class _Stop(Exception):
-    """Raised by the test hook ``stop_after`` to simulate a kill (no checkpoint written)."""
-
-
 @dataclass
 class _State:
     stage: int = 0  # 0 = pretraining, i >= 1 = arm regs[i-1]
@@ -177,13 +176,11 @@ def run(cfg: DarcyConfig, out: str | Path, *, resume: bool = False, device: str 
     elif resume:
         folder.truncate_metrics(after_step=-1, key="tick")
 
-    try:
-        for stage in range(state.stage, len(cfg.regs) + 1):
-            _run_stage(cfg, folder, model, state, stage, ckpt if stage == state.stage else None,
-                       train, test, target, mu, sigma, stop_after, progress)
-            ckpt = None
-    except _Stop:
-        return {}
+    for stage in range(state.stage, len(cfg.regs) + 1):
+        if not _run_stage(cfg, folder, model, state, stage, ckpt if stage == state.stage else None,
+                          train, test, target, mu, sigma, stop_after, progress):
+            return {}  # stopped by the kill hook
+        ckpt = None
     from flowgeom.experiments.darcy_report import convergence_rate, figures, summarise
 
     summary = summarise(cfg, folder.metrics(), state.results)
@@ -194,7 +191,14 @@ def run(cfg: DarcyConfig, out: str | Path, *, resume: bool = False, device: str 
     return summary
 
 
-def _run_stage(cfg, folder, model, state, stage, ckpt, train, test, target, mu, sigma, stop_after, progress):
+def _run_stage(cfg, folder, model, state, stage, ckpt, train, test, target, mu, sigma, stop_after, progress) -> bool:
+    """Run one stage (pretraining or one arm) as one :func:`~flowgeom.experiments.training.train_loop`.
+
+    Its ticks are the stage's steps ``0 … total`` (the last only measures),
+    numbered ``tick = _stage_start + step`` in the metrics. Returns ``False``
+    when the kill hook ``stop_after`` (counted in ticks of the whole
+    protocol) stopped it.
+    """
     reg_name = "pretrain" if stage == 0 else cfg.regs[stage - 1]
     total = cfg.pretrain_steps if stage == 0 else cfg.steps
     batch_gen = torch.Generator().manual_seed(cfg.seed + 1)
@@ -221,52 +225,58 @@ def _run_stage(cfg, folder, model, state, stage, ckpt, train, test, target, mu, 
         reg = Regularizer(reg_name, lam=cfg.lam, eps=cfg.eps) if reg_name != "none" else None
     start_step = 0
     if ckpt is not None and ckpt["step"] > 0:  # mid-stage; at step 0 everything is re-derived
-        model.load_state_dict(ckpt["model"])
-        opt.load_state_dict(ckpt["optimizer"])
-        batch_gen.set_state(ckpt["generator"])
-        start_step = ckpt["step"]
+        start_step = restore_checkpoint(ckpt, model=model, optimizer=opt, generator=batch_gen)
     base = _stage_start(cfg, stage)
     qk_params = select(model, preset="qk")
     task = progress.add_task(reg_name, total=total, completed=start_step) if progress else None
+    phase = "pretrain" if stage == 0 else "langevin"
 
-    for step in range(start_step, total + 1):
-        tick = base + step
-        if stop_after is not None and tick >= stop_after:
-            raise _Stop
-        if step and step % cfg.checkpoint_every == 0 and step < total:
-            folder.save_checkpoint({"stage": stage, "step": step, "pretrained": state.pretrained,
-                                    "results": state.results, "model": model.state_dict(),
-                                    "optimizer": opt.state_dict(), "generator": batch_gen.get_state()})
+    def update(step: int) -> None:
+        idx = torch.randint(len(train), (cfg.batch_size,), generator=batch_gen).to(train.a.device)
+        opt.zero_grad(set_to_none=True)
+        loss = (model(train.a[idx]) - target[idx]).pow(2).mean()
+        if reg is not None:
+            loss = loss + reg.penalty(qk_params.values())
         try:
-            if step % cfg.log_every == 0 or step == total:
-                record = _metrics(model, train, test, mu, sigma, qk_params)
-                folder.log({"tick": tick, "phase": "pretrain" if stage == 0 else "langevin", "reg": reg_name,
-                            "step": step, **record})
-                if not all(math.isfinite(v) for v in record.values()):
-                    raise FlowgeomError(f"metrics became non-finite at step {step}")
-            if step == total:
-                break
-            idx = torch.randint(len(train), (cfg.batch_size,), generator=batch_gen).to(train.a.device)
-            opt.zero_grad(set_to_none=True)
-            loss = (model(train.a[idx]) - target[idx]).pow(2).mean()
-            if reg is not None:
-                loss = loss + reg.penalty(qk_params.values())
             check_loss(loss, step)
-            loss.backward()
-            opt.step()
         except FlowgeomError as exc:
-            if stage == 0:
-                raise FlowgeomError(f"pretraining diverged: {exc}; metrics kept in {folder.path}") from exc
-            _diverged(folder, state, reg_name, tick, step, str(exc))
-            return
-        if progress:
-            progress.advance(task)
+            raise Diverged(str(exc), loss=float(loss.detach())) from exc
+        loss.backward()
+        try:
+            opt.step()
+        except FlowgeomError as exc:  # Langevin's check: a parameter became non-finite
+            raise Diverged(str(exc)) from exc
+
+    def log(line: dict[str, Any]) -> None:
+        folder.log(line)  # the line is kept even when its metrics are non-finite
+        if not line.get("diverged") and not all(math.isfinite(v) for v in line.values() if isinstance(v, float)):
+            raise Diverged(f"metrics became non-finite at step {line['step']}")
+
+    def save(step: int) -> None:
+        folder.save_checkpoint(checkpoint_state(step, model=model, optimizer=opt, generator=batch_gen, stage=stage,
+                                                pretrained=state.pretrained, results=state.results))
+
+    end = train_loop(Step(update=update), steps=total, start=start_step, log=log, log_every=cfg.log_every,
+                     context=lambda step: {"tick": base + step, "phase": phase, "reg": reg_name, "step": step},
+                     hooks=(lambda tick: _metrics(model, train, test, mu, sigma, qk_params),),
+                     checkpoint=save, checkpoint_every=cfg.checkpoint_every,
+                     stop_after=None if stop_after is None else stop_after - base,
+                     progress=(lambda done: progress.update(task, completed=done)) if progress else None,
+                     diverged_extra={"event": "blew_up"})
+    if end.status == "stopped":
+        return False
+    if end.status == "diverged":
+        if stage == 0:
+            raise FlowgeomError(f"pretraining diverged: {end.message}; metrics kept in {folder.path}")
+        state.results[reg_name] = {"status": "diverged", "step": end.step, "message": end.message}
+        return True
     if stage == 0:
         state.pretrained = {k: v.detach().clone() for k, v in model.state_dict().items()}
     else:
         state.results[reg_name] = {"status": "ok"}
-    folder.save_checkpoint({"stage": stage + 1, "step": 0, "pretrained": state.pretrained, "results": state.results,
-                            "model": model.state_dict(), "optimizer": {}, "generator": batch_gen.get_state()})
+    folder.save_checkpoint(checkpoint_state(0, model=model, optimizer={}, generator=batch_gen, stage=stage + 1,
+                                            pretrained=state.pretrained, results=state.results))
+    return True
 
 
 def _metrics(model, train, test, mu, sigma, qk_params) -> dict[str, float]:
@@ -275,8 +285,3 @@ def _metrics(model, train, test, mu, sigma, qk_params) -> dict[str, float]:
             "test_rmse": te["rmse"], "test_rel_l2": te["rel_l2"], "gap": te["rmse"] - tr["rmse"],
             "wq_norm": float(qk_params["attn.q_proj.weight"].detach().norm()),
             "wk_norm": float(qk_params["attn.k_proj.weight"].detach().norm())}
-
-
-def _diverged(folder: RunFolder, state: _State, reg: str, tick: int, step: int, message: str) -> None:
-    folder.log({"tick": tick, "phase": "langevin", "reg": reg, "step": step, "event": "blew_up", "message": message})
-    state.results[reg] = {"status": "diverged", "step": step, "message": message}
