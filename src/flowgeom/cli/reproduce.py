@@ -10,7 +10,9 @@ them), 2 for bad input (unwritable ``--out``, an
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from flowgeom.cli._common import AppendDistinct, add_json, add_scale, command, positive_int, print_json
@@ -45,8 +47,11 @@ def print_summary(report: dict[str, Any]) -> None:
 
 def run_reproduce(args: argparse.Namespace, *, claims: Sequence[Any] | None = None) -> int:
     """The CLI handler; ``claims`` overrides the registry (tests)."""
+    from flowgeom.reproduce.export import check_export, export_results
     from flowgeom.reproduce.pipeline import run
 
+    if args.export and args.out:
+        check_export(args.out, args.export)
     report = run(args.area, scale=args.scale, out=args.out, backend=args.backend,
                  jobs=args.jobs, resume=args.resume, only=args.only, show_progress=not args.json, claims=claims)
     if args.json:
@@ -54,6 +59,10 @@ def run_reproduce(args: argparse.Namespace, *, claims: Sequence[Any] | None = No
                     "claims": [{"id": c["id"], "area": c["area"], **c["verdict"]} for c in report["claims"]]})
     else:
         print_summary(report)
+    if args.export:
+        exported = export_results(Path(report["paths"]["markdown"]).parent, args.export)
+        print(f"exported {len(exported['copied'])} files to {args.export} ({len(exported['left'])} left behind: "
+              "checkpoints and large files, listed in EXPORT.json)", file=sys.stderr)
     return exit_code(report)
 
 
@@ -66,6 +75,7 @@ def register(sub) -> None:
     p = command(
         sub, "reproduce", help="reproduce the seeds' claims as resumable sweeps and write an HTML/Markdown report",
         example="flowgeom reproduce laws --quick\nflowgeom reproduce all --quick --out runs/demo\n"
+                "flowgeom reproduce all --cpu --jobs 2 --out runs/cpu --resume --export results/full\n"
                 "flowgeom reproduce all --full --out /shared/runs --backend ray --resume",
         func=run_reproduce,
     )
@@ -83,5 +93,8 @@ def register(sub) -> None:
                    help=f"runs in parallel: local process pool size / Ray CPUs, 1..{MAX_JOBS} (default 1)")
     p.add_argument("--resume", action="store_true", help="skip finished runs, continue interrupted ones from "
                    "their checkpoints")
+    p.add_argument("--export", metavar="DIR", default=None,
+                   help="afterwards copy the report and each run's config/summary/metrics/figures (no checkpoints) "
+                        "to DIR, e.g. results/full")
     p.add_argument("--only", action=AppendDistinct, metavar="CLAIM", help="run only this claim id (repeatable, distinct)")
     add_json(p)
