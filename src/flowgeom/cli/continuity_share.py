@@ -94,8 +94,15 @@ def run_share(args: argparse.Namespace) -> int:
         spaces, evidence = auto_spaces(state, args.roles, cfg.num_hidden_layers)
     else:
         spaces, evidence = {r: args.space for r in args.roles}, {}
-    new_state, results = share_state_dict(state, spaces, n_layers=cfg.num_hidden_layers, group=args.group,
-                                          rank=args.rank)
+    n_groups = -(-cfg.num_hidden_layers // args.group)
+    bar, update = _progress(not args.json, f"share {','.join(spaces)}: {len(spaces)} roles x {n_groups} groups")
+    if bar is not None:
+        with bar:
+            new_state, results = share_state_dict(state, spaces, n_layers=cfg.num_hidden_layers, group=args.group,
+                                                  rank=args.rank, progress=update)
+    else:
+        new_state, results = share_state_dict(state, spaces, n_layers=cfg.num_hidden_layers, group=args.group,
+                                              rank=args.rank)
     total = sum(t.numel() for k, t in state.items() if k != "lm_head.weight" or not cfg.tie_word_embeddings)
     saved = sum(r.saved for r in results)
     report = {

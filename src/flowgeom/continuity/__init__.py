@@ -11,10 +11,49 @@ Pure metric functions (two matrices or two stacks in, tensors out) for reuse:
 ``index_matched_alignment``, ``gram_similarity_in/out``, ``pair_metrics``,
 and the random baselines ``analytic_baselines``, ``monte_carlo_baselines``,
 ``expected_abs_cos``. See ``docs/continuity.md``.
+
+Compression and evaluation (``docs/continuity-sharing.md``)::
+
+    from flowgeom.continuity import llama_state_dict, share_state_dict, share_rank_for_budget, perplexity
+    cfg, state = llama_state_dict("builtin:smollm2")
+    new, [res] = share_state_dict(state, {"q": "input"}, n_layers=cfg.num_hidden_layers, group=2, rank=300)
+
+Pure stack functions ``shared_basis``, ``coefficients``, ``reconstruct``, ``share_stack``,
+``truncated_svd``; counts ``shared_params``, ``svd_params``, ``svd_rank_for_budget``,
+``share_rank_for_budget``, ``layer_groups``; state-dict level ``check_share``, ``share_state_dict``,
+``svd_state_dict``, ``drop_layers``, ``block_params``, ``continuity_scores``, ``drop_order``,
+``random_drop_order``; ``SEED_SPACE``, ``opposite``, ``RoleResult``; perplexity ``EvalConfig``, ``windows``,
+``perplexity``. Loaded on first use (they import more): ``llama_state_dict``, ``llama_from_state``,
+``load_llama`` (:mod:`flowgeom.nn.llama`), ``save_llama_folder`` (:mod:`flowgeom.continuity.checkpoint_out`),
+``load_tokenizer``, ``cached_ids`` (:mod:`flowgeom.data.tokens`).
 """
 
 from flowgeom.continuity.analyze import AnalyzeConfig, analyze, verdict
 from flowgeom.continuity.baselines import METRICS, analytic_baselines, expected_abs_cos, monte_carlo_baselines
+from flowgeom.continuity.compress import (
+    SEED_SPACE,
+    RoleResult,
+    block_params,
+    check_share,
+    coefficients,
+    continuity_scores,
+    drop_layers,
+    drop_order,
+    layer_groups,
+    opposite,
+    random_drop_order,
+    reconstruct,
+    share_rank_for_budget,
+    share_stack,
+    share_state_dict,
+    shared_basis,
+    shared_params,
+    svd_params,
+    svd_rank_for_budget,
+    svd_state_dict,
+    truncated_svd,
+)
+from flowgeom.continuity.lm_eval import EvalConfig, perplexity, windows
 from flowgeom.continuity.metrics import (
     abs_cos,
     gram_similarity,
@@ -30,10 +69,32 @@ from flowgeom.continuity.naming import ROLES, SCHEMES, resolve_roles
 from flowgeom.continuity.sources import BUILTINS, TensorSource, open_source
 from flowgeom.continuity.spectra import SingularPairs, full_singular_pairs, top_singular_pairs
 
+# heavier to use: the Llama forward, the tokenizer cache, the checkpoint writer (imported on first access)
+_LAZY = {"llama_state_dict": "flowgeom.nn.llama", "llama_from_state": "flowgeom.nn.llama",
+         "load_llama": "flowgeom.nn.llama", "save_llama_folder": "flowgeom.continuity.checkpoint_out",
+         "load_tokenizer": "flowgeom.data.tokens", "cached_ids": "flowgeom.data.tokens"}
+
 __all__ = [
     "AnalyzeConfig", "analyze", "verdict", "METRICS", "analytic_baselines", "expected_abs_cos",
     "monte_carlo_baselines", "abs_cos", "gram_similarity", "gram_similarity_in", "gram_similarity_out",
     "index_matched_alignment", "pair_metrics", "subspace_alignment", "u1_cos", "v1_cos", "ROLES", "SCHEMES",
     "resolve_roles", "BUILTINS", "TensorSource", "open_source", "SingularPairs", "full_singular_pairs",
     "top_singular_pairs",
+    # compression (flowgeom.continuity.compress) and perplexity (flowgeom.continuity.lm_eval)
+    "SEED_SPACE", "RoleResult", "block_params", "check_share", "coefficients", "continuity_scores", "drop_layers",
+    "drop_order", "layer_groups", "opposite", "random_drop_order", "reconstruct", "share_rank_for_budget",
+    "share_stack", "share_state_dict", "shared_basis", "shared_params", "svd_params", "svd_rank_for_budget",
+    "svd_state_dict", "truncated_svd", "EvalConfig", "perplexity", "windows",
+    *_LAZY,
 ]
+
+
+def __getattr__(name: str):
+    """The model/tokenizer/checkpoint helpers of :data:`_LAZY`, imported on first use."""
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -30,7 +30,7 @@ the CLI (``flowgeom continuity share``) is a thin layer over
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -125,6 +125,23 @@ def svd_rank_for_budget(m: int, n: int, params: float) -> int:
     return max(1, min(min(m, n), math.floor(params / (m + n))))
 
 
+def share_rank_for_budget(m: int, n: int, group_sizes: Sequence[int], budget: float, space: str) -> int:
+    """Largest shared rank whose storage fits ``(1 - budget) L m n`` for one role, clamped to 1..min(m, n).
+
+    Input space stores ``r (G n + L m)``, output ``r (G m + L n)`` (G groups of sizes ``group_sizes``, L layers
+    in all): one basis per group plus one coefficient block per layer. At the clamp ``min(m, n)`` the role saves
+    *more* than ``budget`` (or less, even a negative amount, when the bases outweigh the saving); callers report
+    what :func:`share_state_dict` measured, not the budget.
+    """
+    if space not in SPACES:
+        raise choice_error("space", space, SPACES)
+    if not 0.0 <= budget < 1.0:
+        raise FlowgeomError(f"budget {budget!r} must be a fraction in [0, 1); e.g. 0.1 saves 10% of the role")
+    L, G = sum(group_sizes), len(group_sizes)
+    per_rank = G * n + L * m if space == "input" else G * m + L * n
+    return max(1, min(min(m, n), math.floor((1 - budget) * L * m * n / per_rank)))
+
+
 def _role_stack(state: Mapping[str, torch.Tensor], role: str, layers: Sequence[int]) -> torch.Tensor:
     return torch.stack([state[f"model.layers.{l}.{HF_NAMES[role]}.weight"] for l in layers])  # (g, m, n)
 
@@ -168,23 +185,32 @@ class RoleResult:
 
 
 def share_state_dict(state: Mapping[str, torch.Tensor], spaces: Mapping[str, str], *, n_layers: int, group: int,
-                     rank: int) -> tuple[dict[str, torch.Tensor], list[RoleResult]]:
+                     rank: int | Mapping[str, int],
+                     progress: Callable[[int, int], None] | None = None
+                     ) -> tuple[dict[str, torch.Tensor], list[RoleResult]]:
     """A new state dict whose role matrices are rebuilt from shared bases, and what each role stores.
 
-    ``spaces`` maps role -> ``input``/``output``. ``state`` is not modified.
+    ``spaces`` maps role -> ``input``/``output``; ``rank`` is one rank for every role or a rank per role
+    (e.g. from :func:`share_rank_for_budget`). ``state`` is not modified. ``progress(done, total)`` is
+    called after each (role, group), ``total = len(spaces) * number of groups``.
     """
     _check_roles(state, list(spaces), n_layers)
     groups = layer_groups(n_layers, group)
+    ranks = {role: rank[role] if isinstance(rank, Mapping) else rank for role in spaces}
     out, results = dict(state), []
+    total, done = len(spaces) * len(groups), 0
     for role, space in spaces.items():
         stack = _role_stack(state, role, range(n_layers))  # (L, m, n)
         _, m, n = stack.shape
-        _check_stack(stack, rank, space)
+        _check_stack(stack, ranks[role], space)
         new, stored = torch.empty_like(stack), 0
         for idx in groups:
-            new[idx] = share_stack(stack[idx], rank, space)
-            stored += shared_params(m, n, len(idx), rank, space)
-        results.append(_result(role, space, stack, new, groups, rank, stored))
+            new[idx] = share_stack(stack[idx], ranks[role], space)
+            stored += shared_params(m, n, len(idx), ranks[role], space)
+            done += 1
+            if progress:
+                progress(done, total)
+        results.append(_result(role, space, stack, new, groups, ranks[role], stored))
         for l in range(n_layers):
             out[f"model.layers.{l}.{HF_NAMES[role]}.weight"] = new[l].contiguous()
     return out, results

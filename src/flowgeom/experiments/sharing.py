@@ -17,6 +17,16 @@ parameters in scope that is saved):
 * ``v-input`` / ``v-output`` / ``v-svd``: V alone (scope = V's parameters);
 * ``none``: the model itself (the reference perplexity).
 
+**Per role** (:data:`ROLE_STRATEGIES`, config key ``role``): one role at a
+time, the other six untouched, so the model stays usable and the spaces can
+be told apart (all six roles at once break SmolLM2 at any saving, see
+docs/continuity-sharing.md): ``role-input`` / ``role-output`` share the role
+in that space, ``role-svd`` is its per-layer SVD, all at the same budget of
+*that role's* parameters. The verdict reads, per role, whether the seed's
+space beats the opposite one (V has no seed space: it reports which space
+wins and whether sharing V beats its per-layer SVD by less than for the
+other roles, i.e. whether V is special as the seed says).
+
 **Equal budgets.** Scope = the L-layer dense parameters of the roles,
 ``P = sum_roles L m n``. Per role the rank is the largest whose storage fits
 ``(1 - b) L m n``: shared input space stores ``r (G n + L m)`` (G groups:
@@ -44,13 +54,16 @@ from typing import Any
 
 import torch
 
+from flowgeom.continuity.compress import SEED_SPACE, opposite
 from flowgeom.errors import FlowgeomError, choice_error
 
 SIX = ("q", "k", "gate", "up", "o", "down")
 SHARE = ("seed-space", "opposite-space", "svd")
 DROP = ("drop-continuity", "drop-random")
 VALUE = ("v-input", "v-output", "v-svd")
-STRATEGIES = ("none",) + SHARE + DROP + VALUE
+STRATEGIES = ("none",) + SHARE + DROP + VALUE  # the all-roles strategies (the quick grid has each)
+ROLE_STRATEGIES = ("role-input", "role-output", "role-svd")  # one role at a time (config key "role")
+ROLES7 = ("q", "k", "v", "o", "gate", "up", "down")
 
 # quick: 2 budgets x (a, b, c) + dropping (continuity, 2 random seeds) at 10% + V at 20% + reference = 13 runs,
 #   measured 11 min on 2 loaded cores (share 10-200 s: the 1536x1536 output-space Grams of gate/up are the
@@ -59,12 +72,17 @@ STRATEGIES = ("none",) + SHARE + DROP + VALUE
 # full: 5 budgets x (a, b, c) + 4 x V x3 + dropping at 4 budgets (continuity + 5 seeds) + reference = 52 runs
 #   on the whole held-out split (47,870 tokens, ~12x the quick evaluate per run): ~4-6 h on one core;
 #   every run resumes independently (--resume), and --jobs/--backend ray spread them.
+# cpu: the per-role comparison (7 roles x 3 strategies at ROLE_BUDGETS) + dropping (continuity + 5 seeds) at
+#   5% and 10% + reference = 55 runs at the quick evaluation size; ~20-40 s a run on one loaded core.
+ROLE_BUDGETS = (0.2,)
 PRESETS: dict[str, dict[str, Any]] = {
-    "quick": {"budgets": (0.02, 0.1), "drop_budgets": (0.1,), "v_budgets": (0.2,), "random_seeds": (0, 1),
-              "tokens": 2048, "context": 512, "group": 2},
+    "quick": {"budgets": (0.1,), "drop_budgets": (0.1,), "v_budgets": (0.2,), "random_seeds": (0, 1, 2, 3, 4),
+              "role_budgets": (), "tokens": 2048, "context": 512, "group": 2},
+    "cpu": {"budgets": (), "drop_budgets": (0.05, 0.1), "v_budgets": (), "random_seeds": (0, 1, 2, 3, 4),
+            "role_budgets": ROLE_BUDGETS, "tokens": 2048, "context": 512, "group": 2},
     "full": {"budgets": (0.01, 0.02, 0.05, 0.1, 0.2), "drop_budgets": (0.05, 0.1, 0.2, 0.3),
-             "v_budgets": (0.05, 0.1, 0.2, 0.3), "random_seeds": (0, 1, 2, 3, 4), "tokens": None, "context": 512,
-             "group": 2},
+             "v_budgets": (0.05, 0.1, 0.2, 0.3), "random_seeds": (0, 1, 2, 3, 4), "role_budgets": (0.1, 0.2, 0.3),
+             "tokens": None, "context": 512, "group": 2},
 }
 
 
@@ -84,19 +102,19 @@ def sharing_grid(preset: str = "quick", *, source: str = "builtin:smollm2", text
         runs.append({**base, "strategy": "drop-continuity", "budget": b, "seed": 0})
         runs += [{**base, "strategy": "drop-random", "budget": b, "seed": s} for s in p["random_seeds"]]
     runs += [{**base, "strategy": s, "budget": b, "seed": 0} for b in p["v_budgets"] for s in VALUE]
+    runs += [{**base, "strategy": s, "budget": b, "seed": 0, "role": role}
+             for b in p["role_budgets"] for role in ROLES7 for s in ROLE_STRATEGIES]
     return tuple(runs)
 
 
 # ---------------------------------------------------------------- ranks and budgets (pure)
 
 def share_rank_for_budget(m: int, n: int, group_sizes: Sequence[int], budget: float, space: str) -> int:
-    """Largest shared rank whose storage fits ``(1 - budget) L m n`` for one role, clamped to 1..min(m, n).
+    """Largest shared rank whose storage fits ``(1 - budget) L m n`` (see
+    :func:`flowgeom.continuity.compress.share_rank_for_budget`, where it lives)."""
+    from flowgeom.continuity.compress import share_rank_for_budget as rank_for
 
-    Input space stores ``r (G n + L m)``, output ``r (G m + L n)`` (G groups, L layers).
-    """
-    L, G = sum(group_sizes), len(group_sizes)
-    per_rank = G * n + L * m if space == "input" else G * m + L * n
-    return max(1, min(min(m, n), math.floor((1 - budget) * L * m * n / per_rank)))
+    return rank_for(m, n, group_sizes, budget, space)
 
 
 def drop_count(budget: float, scope: int, block: int, n_layers: int) -> int:
@@ -104,7 +122,12 @@ def drop_count(budget: float, scope: int, block: int, n_layers: int) -> int:
     return max(1, min(n_layers - 2, round(budget * scope / block)))
 
 
-def _roles_of(strategy: str) -> tuple[str, ...]:
+def _roles_of(strategy: str, config: Mapping[str, Any]) -> tuple[str, ...]:
+    if strategy in ROLE_STRATEGIES:
+        role = config.get("role")
+        if role not in ROLES7:
+            raise choice_error("role", role, ROLES7)
+        return (role,)
     return ("v",) if strategy in VALUE else SIX
 
 
@@ -124,11 +147,11 @@ def compress_for(state: dict[str, torch.Tensor], n_layers: int, config: Mapping[
     from flowgeom.continuity import compress as C
 
     strategy, budget = config["strategy"], float(config["budget"])
-    if strategy not in STRATEGIES:
-        raise choice_error("strategy", strategy, STRATEGIES)
+    if strategy not in STRATEGIES + ROLE_STRATEGIES:
+        raise choice_error("strategy", strategy, STRATEGIES + ROLE_STRATEGIES)
     if not 0.0 <= budget < 1.0:
         raise FlowgeomError(f"budget {budget!r} must be a fraction in [0, 1); e.g. 0.1 saves 10% of the roles")
-    roles = _roles_of(strategy)
+    roles = _roles_of(strategy, config)
     scope = sum(n_layers * m * n for m, n in (_role_shape(state, r) for r in roles))
     facts: dict[str, Any] = {"scope_params": scope, "roles": {}}
     if strategy == "none":
@@ -149,15 +172,15 @@ def compress_for(state: dict[str, torch.Tensor], n_layers: int, config: Mapping[
     out, saved = state, 0
     for role in roles:
         m, n = _role_shape(out, role)
-        if strategy in ("svd", "v-svd"):
+        if strategy in ("svd", "v-svd", "role-svd"):
             rank = C.svd_rank_for_budget(m, n, (1 - budget) * m * n)
             out, [res] = C.svd_state_dict(out, [role], n_layers=n_layers, rank=rank)
         else:
-            if strategy in ("v-input", "v-output"):
-                space = strategy[2:]
+            if strategy in ("v-input", "v-output", "role-input", "role-output"):
+                space = strategy.split("-")[1]
             else:
                 space = C.SEED_SPACE[role] if strategy == "seed-space" else C.opposite(C.SEED_SPACE[role])
-            rank = share_rank_for_budget(m, n, [len(g) for g in groups], budget, space)
+            rank = C.share_rank_for_budget(m, n, [len(g) for g in groups], budget, space)
             out, [res] = C.share_state_dict(out, {role: space}, n_layers=n_layers, group=int(config["group"]),
                                             rank=rank)
         saved += res.saved
@@ -209,15 +232,18 @@ def run_sharing(config: Mapping[str, Any], folder, *, resume: bool = False) -> d
             "ppl": res["ppl"], "nll": res["nll"], "targets": res["targets"], "layers": layers_after,
             "scope_params": facts["scope_params"], "saved_params": facts["saved_params"],
             "saved_fraction": facts["saved_params"] / facts["scope_params"], "model_params": model_params,
-            "roles": facts["roles"], **({"dropped": facts["dropped"]} if "dropped" in facts else {})}
+            "roles": facts["roles"], **({"dropped": facts["dropped"]} if "dropped" in facts else {}),
+            **({"role": config["role"]} if "role" in config else {})}
 
 
 # ---------------------------------------------------------------- verdict (pure) and figure
 
-def _by(rows: Sequence[Mapping[str, Any]], strategy: str) -> dict[float, list[Mapping[str, Any]]]:
+def _by(rows: Sequence[Mapping[str, Any]], strategy: str, role: str | None = None
+        ) -> dict[float, list[Mapping[str, Any]]]:
+    """Rows of ``strategy`` by budget; ``role`` None = the all-roles runs (rows without a ``role`` key)."""
     out: dict[float, list] = {}
     for r in rows:
-        if r["strategy"] == strategy:
+        if r["strategy"] == strategy and r.get("role") == role:
             out.setdefault(float(r["budget"]), []).append(r)
     return out
 
@@ -230,12 +256,70 @@ def _ppl(rows: Sequence[Mapping[str, Any]]) -> float:
 BROKEN = 10.0  # a compressed model with ppl above BROKEN x the reference is called broken in the verdict
 
 
+def per_role(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[float, dict[str, float]]]:
+    """``{role: {budget: {"input", "output", "svd": ppl, "saved_input", ...: saved fraction}}}`` of the
+    per-role runs, only where all three strategies ran for that role and budget."""
+    out: dict[str, dict[float, dict[str, float]]] = {}
+    for role in ROLES7:
+        cells = {s.split("-")[1]: _by(rows, s, role) for s in ROLE_STRATEGIES}
+        for b in sorted(set.intersection(*(set(c) for c in cells.values()))):
+            row = {k: _ppl(c[b]) for k, c in cells.items()}
+            row |= {f"saved_{k}": c[b][0]["saved_fraction"] for k, c in cells.items()}
+            out.setdefault(role, {})[b] = row
+    return out
+
+
+def _judge_roles(table: Mapping[str, Mapping[float, Mapping[str, float]]]) -> tuple[list[str], list[str], list[bool]]:
+    """(measured parts, notes, per seed role: the seed's space wins at every budget) of the per-role sweep.
+
+    V has no seed space. "V is special" (the seed: no obvious opportunity) is read as: V gains least from
+    sharing, i.e. its ratio ``ppl(per-layer SVD) / ppl(best shared space)`` is the lowest of the roles at
+    every budget.
+    """
+    parts, notes, wins = [], [], []
+    for role, by_budget in table.items():
+        cells = []
+        for b, c in by_budget.items():
+            unequal = max(c[f"saved_{k}"] for k in ("input", "output", "svd")) - min(
+                c[f"saved_{k}"] for k in ("input", "output", "svd")) > 0.02
+            cells.append(f"{100 * b:g}%: input {c['input']:.4g}, output {c['output']:.4g}, svd {c['svd']:.4g}"
+                         + (" (savings differ: " + "/".join(f"{100 * c[f'saved_{k}']:.1f}%" for k in
+                                                           ("input", "output", "svd")) + ")" if unequal else ""))
+        seed = SEED_SPACE.get(role)
+        parts.append(f"{role}{f' (seed: {seed})' if seed else ''} " + "; ".join(cells))
+        if seed is None:
+            continue
+        won = [c[seed] < c["output" if seed == "input" else "input"] for c in by_budget.values()]
+        wins.append(all(won))
+        notes.append(f"{role}: the seed's {seed} space {'wins' if all(won) else 'loses' if not any(won) else 'mixed'}"
+                     f" ({sum(won)} of {len(won)} budgets)")
+    if "v" in table:
+        budgets = sorted(table["v"])
+        special, v_cells = [], []
+        for b in budgets:
+            gains = {role: t[b]["svd"] / min(t[b]["input"], t[b]["output"]) for role, t in table.items() if b in t}
+            v = table["v"][b]
+            best = "input" if v["input"] <= v["output"] else "output"
+            special.append(len(gains) > 1 and gains["v"] == min(gains.values()))
+            v_cells.append(f"at {100 * b:g}% {best} space wins ({v[best]:.4g} vs {v[opposite(best)]:.4g}), "
+                           f"sharing vs SVD x{gains['v']:.3g} (lowest of the roles: x{min(gains.values()):.3g}, "
+                           f"highest x{max(gains.values()):.3g})")
+        verdict_v = ("V is special, as the seed says: it gains least from sharing" if all(special) else
+                     "V is not special: another role gains less from sharing" if not any(special) else
+                     "V is special at some budgets only")
+        notes.append(f"V: {'; '.join(v_cells)}; {verdict_v}")
+    return parts, notes, wins
+
+
 def judge(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """The verdict from finished-run summaries: ``{"measured", "verdict", "how", "table"}``.
 
-    The design implication holds ("reproduced") when the seed's space beats the opposite space at every
-    budget where both ran, "not reproduced" when it loses at every one, "differs" when mixed; the
-    per-layer SVD, dropping and V comparisons are reported in ``measured`` (and ``how``).
+    With per-role runs (:data:`ROLE_STRATEGIES`) the verdict is per role: "reproduced" when the seed's space
+    beats the opposite space for all six roles that have one (at every per-role budget), "not reproduced"
+    when for none, "differs" otherwise. Without them, on the all-roles runs: "reproduced" when the seed's
+    space beats the opposite space at every budget where both ran, "not reproduced" when it loses at every
+    one, "differs" when mixed. The per-layer SVD, dropping (continuity-ranked against the mean, min and max
+    of the random rankings) and V comparisons are reported in ``measured`` (and ``how``).
     """
     a, b, c = _by(rows, "seed-space"), _by(rows, "opposite-space"), _by(rows, "svd")
     ref = [r for r in rows if r["strategy"] == "none"]
@@ -253,11 +337,13 @@ def judge(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     dc, dr = _by(rows, "drop-continuity"), _by(rows, "drop-random")
     for x in sorted(set(dc) & set(dr)):
         cont, rand = _ppl(dc[x]), _ppl(dr[x])
-        worse = sum(r["ppl"] > cont for r in dr[x])
-        parts.append(f"drop {100 * x:g}%: continuity-ranked {cont:.4g} vs random {rand:.4g} "
-                     f"({len(dr[x])} seeds)")
+        seeds = [r["ppl"] for r in dr[x]]
+        worse = sum(p > cont for p in seeds)
+        parts.append(f"drop {100 * x:g}%: continuity-ranked {cont:.4g} vs random mean {rand:.4g} "
+                     f"(min {min(seeds):.4g}, max {max(seeds):.4g}, {len(seeds)} seeds)")
         notes.append(f"continuity-ranked dropping at {100 * x:g}% is {'better' if cont < rand else 'worse'} than "
-                     f"random (beats {worse} of {len(dr[x])} random rankings)")
+                     f"random (beats {worse} of {len(seeds)} random rankings; random mean {rand:.4g}, "
+                     f"min {min(seeds):.4g}, max {max(seeds):.4g})")
     vi, vo, vs = _by(rows, "v-input"), _by(rows, "v-output"), _by(rows, "v-svd")
     for x in sorted(set(vi) & set(vo) & set(vs)):
         best = min(_ppl(vi[x]), _ppl(vo[x]))
@@ -266,45 +352,68 @@ def judge(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
                                                "says (no obvious opportunity)" if best >= _ppl(vs[x]) else
                                                "sharing V beats its per-layer SVD (the seed says V offers no "
                                                "obvious opportunity)"))
-    table = tuple({"strategy": r["strategy"], "budget": r["budget"], "seed": r["seed"],
+    roles_table = per_role(rows)
+    role_parts, role_notes, role_wins = _judge_roles(roles_table)
+    if role_parts:
+        parts.append("per role (ppl): " + " | ".join(role_parts))
+    table = tuple({"strategy": r["strategy"], "role": r.get("role", "-"), "budget": r["budget"], "seed": r["seed"],
                    "saved %": round(100 * r["saved_fraction"], 2), "layers": r["layers"], "ppl": r["ppl"]}
-                  for r in sorted(rows, key=lambda r: (r["strategy"], r["budget"], r["seed"])))
+                  for r in sorted(rows, key=lambda r: (r["strategy"], r.get("role", ""), r["budget"], r["seed"])))
     compressed = [r["ppl"] for d in (a, b, c) for rs in d.values() for r in rs]
     if ref and compressed and min(compressed) > BROKEN * ref[0]["ppl"]:
         notes.append(f"every shared or SVD model is broken (ppl >= {min(compressed):.3g}, over {BROKEN:g}x the "
                      f"reference {ref[0]['ppl']:.2f}): the ranking compares broken models")
     measured = "; ".join(parts)
+    if role_wins:
+        first = f"per role, the seed's space beats the opposite space for {sum(role_wins)} of {len(role_wins)} roles"
+        verdict = "reproduced" if all(role_wins) else ("not reproduced" if not any(role_wins) else "differs")
+        if budgets:
+            notes.insert(0, f"all six roles at once: the seed's space beats the opposite space at {sum(wins)} of "
+                            f"{len(wins)} budgets")
+        return {"measured": measured, "verdict": verdict, "how": "; ".join([first] + role_notes + notes),
+                "table": table}
     if not budgets:
         return {"measured": measured or "no run", "verdict": "not run",
-                "how": "the grid lacks a budget with both seed-space and opposite-space runs", "table": table}
+                "how": "the grid lacks a budget with both seed-space and opposite-space runs (all roles or per "
+                       "role)", "table": table}
     first = (f"seed's space beats the opposite space at {sum(wins)} of {len(wins)} budgets "
              f"({', '.join(f'{100 * x:g}%' for x in budgets)})")
     verdict = "reproduced" if all(wins) else ("not reproduced" if not any(wins) else "differs")
-    return {"measured": measured, "verdict": verdict, "how": "; ".join([first] + notes), "table": table}
+    return {"measured": measured, "verdict": verdict, "how": "; ".join([first] + role_notes + notes),
+            "table": table}
 
 
 LABELS = {"seed-space": "(a) shared, seed's space", "opposite-space": "(b) shared, opposite space",
           "svd": "(c) per-layer SVD", "drop-continuity": "(d) drop, continuity-ranked",
           "drop-random": "(d) drop, random ranking", "v-input": "V shared, input", "v-output": "V shared, output",
           "v-svd": "V per-layer SVD"}
+ROLE_LABELS = {"role-input": "shared, input space", "role-output": "shared, output space",
+               "role-svd": "per-layer SVD"}
 
 
 def sharing_figure(rows: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
-    """Perplexity (log) against parameters saved (millions, measured) per strategy; the reference as a line."""
+    """Perplexity (log) against parameters saved (millions, measured) per strategy; the reference as a line.
+
+    With per-role runs a second panel: per role (x) and budget, the perplexity of each space and of the
+    per-layer SVD, the seed's space marked by a filled marker.
+    """
     import io
 
     from matplotlib.figure import Figure  # object API: no pyplot, no global backend switch
 
     from flowgeom.runs import atomic_write_bytes
 
-    fig = Figure(figsize=(6.4, 3.8))
-    ax = fig.subplots()
+    whole = [r for r in rows if "role" not in r]
+    single = [r for r in rows if "role" in r]
+    fig = Figure(figsize=(6.4, 3.8) if not single else (12.0, 3.8))
+    axes = fig.subplots(1, 2 if single else 1, squeeze=False)[0]
+    ref = [r["ppl"] for r in rows if r["strategy"] == "none"]
+    ax = axes[0]
     for strategy, label in LABELS.items():
-        pts = sorted((r["saved_params"] / 1e6, r["ppl"]) for r in rows if r["strategy"] == strategy)
+        pts = sorted((r["saved_params"] / 1e6, r["ppl"]) for r in whole if r["strategy"] == strategy)
         if pts:
             style = "x" if strategy == "drop-random" else "o-"
             ax.plot([p[0] for p in pts], [p[1] for p in pts], style, ms=4, label=label)
-    ref = [r["ppl"] for r in rows if r["strategy"] == "none"]
     if ref:
         ax.axhline(ref[0], color="k", ls="--", lw=1, label=f"uncompressed ({ref[0]:.2f})")
     ax.set_yscale("log")
@@ -312,6 +421,34 @@ def sharing_figure(rows: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
     ax.set_ylabel("perplexity (held-out KJV)")
     ax.set_title("equal-budget compression: sharing space, per-layer SVD, layer dropping", fontsize=9)
     ax.legend(fontsize=6)
+    if single:
+        ax = axes[1]
+        budgets = sorted({float(r["budget"]) for r in single})
+        colors = {"role-input": "tab:blue", "role-output": "tab:orange", "role-svd": "tab:green"}
+        for j, b in enumerate(budgets):
+            for k, (strategy, label) in enumerate(ROLE_LABELS.items()):
+                for i, role in enumerate(ROLES7):
+                    found = [r for r in single if r["strategy"] == strategy and r["role"] == role
+                             and float(r["budget"]) == b]
+                    if not found:
+                        continue
+                    seed = SEED_SPACE.get(role) == strategy.split("-")[1]
+                    x = i + (k - 1) * 0.22 + (j - (len(budgets) - 1) / 2) * 0.07
+                    ax.plot([x], [_ppl(found)], "os^"[j % 3], ms=5, color=colors[strategy],
+                            fillstyle="full" if seed or strategy == "role-svd" else "none",
+                            label=f"{label}, {100 * b:g}%" if i == 0 or not any(
+                                r["role"] == ROLES7[0] for r in single if r["strategy"] == strategy) else None)
+        if ref:
+            ax.axhline(ref[0], color="k", ls="--", lw=1)
+        ax.set_xticks(range(len(ROLES7)), [f"{r}\n({SEED_SPACE.get(r, 'none')})" for r in ROLES7], fontsize=7)
+        ax.set_yscale("log")
+        ax.set_ylabel("perplexity (held-out KJV)")
+        ax.set_title("one role at a time, same budget of that role (filled: the seed's space)", fontsize=9)
+        handles, labels = ax.get_legend_handles_labels()
+        seen = {}
+        for h, lab in zip(handles, labels):
+            seen.setdefault(lab, h)
+        ax.legend(seen.values(), seen.keys(), fontsize=6)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
     atomic_write_bytes(path, buf.getvalue())
