@@ -13,10 +13,16 @@ chains with the same noise. We record the chain-mean *unregularised* loss
 which ``E[V₀] − L* ≤ ε``, with ``L*`` the best of ``restarts`` Adam runs.
 A linear ``τ`` against ``log(1/ε)`` is the ``O(log 1/ε)`` law; ``None``
 means never reached within ``steps``.
+
+Each arm is one :func:`~flowgeom.experiments.training.train_loop` (ticks
+``0 … steps``, the mean recorded every ``record_every``); a chain that blows
+up ends the experiment with the loop's divergence message as a
+:class:`FlowgeomError` (there is no run folder to keep).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +30,7 @@ import torch
 from torch.func import vmap
 
 from flowgeom.errors import FlowgeomError, choice_error
+from flowgeom.experiments.training import Diverged, Step, Tick, train_loop
 from flowgeom.langevin import Langevin, Regularizer, objective
 from flowgeom.langevin.optimizer import check_hyper
 from flowgeom.langevin.rate import hitting_times
@@ -88,20 +95,39 @@ def run_rate(cfg: RateConfig) -> dict[str, Any]:
         energy = vmap(obj.flat)
         theta = torch.nn.Parameter(start.clone())
         opt = Langevin([theta], lr=cfg.lr, temperature=cfg.temperature, seed=cfg.seed + 2)
-        curve = []
-        for k in range(cfg.steps + 1):
-            if k % cfg.record_every == 0:
-                with torch.no_grad():
-                    curve.append(float(measure(theta).mean()) - l_star)
-            if k == cfg.steps:
-                break
-            opt.zero_grad()
-            energy(theta).sum().backward()
-            opt.step()
+        curve: list[float] = []
+        end = train_loop(Step(update=functools.partial(_update, opt, energy, theta)), steps=cfg.steps,
+                         log=functools.partial(_keep, curve, cfg.record_every),
+                         log_every=cfg.record_every,
+                         hooks=(functools.partial(_suboptimality, measure, theta, l_star),))
+        if end.status == "diverged":  # no run folder to mark: the message (with its fix) is the error
+            raise FlowgeomError(end.message)
         curves[reg] = curve
     times = [k * cfg.lr for k in range(0, cfg.steps + 1, cfg.record_every)]
     table = hitting_times({reg: (times, curve) for reg, curve in curves.items()}, floor_ratio=1e-4)
     return {"config": cfg.__dict__, "l_star": l_star, "time": times, "suboptimality": curves, **table}
+
+
+def _update(opt: Langevin, energy, theta: torch.nn.Parameter, k: int) -> None:
+    """One Langevin step of every chain on the summed (regularised) energy."""
+    opt.zero_grad()
+    energy(theta).sum().backward()
+    try:
+        opt.step()
+    except FlowgeomError as exc:  # a chain blew up (non-finite parameter)
+        raise Diverged(str(exc)) from exc
+
+
+def _keep(curve: list[float], every: int, line: dict[str, Any]) -> None:
+    """Append a metrics line's mean to ``curve`` on the ``every`` grid only (the loop also logs the last tick)."""
+    if "suboptimality" in line and line["step"] % every == 0:
+        curve.append(line["suboptimality"])
+
+
+@torch.no_grad()
+def _suboptimality(measure, theta: torch.Tensor, l_star: float, tick: Tick) -> dict[str, float]:
+    """``E[V₀(θ_k)] − L*`` over the chains (the unregularised loss)."""
+    return {"suboptimality": float(measure(theta).mean()) - l_star}
 
 
 def plot_rate(result: dict[str, Any], path) -> None:
