@@ -189,10 +189,7 @@ def draw_transfer(rows: Sequence[Mapping[str, Any]]):
     ax_t.set_yticklabels([f"{r['variant']} (seed {r['seed']})" for r in reversed(rows)], fontsize=7)
     ax_t.set_xlim(0, top * 1.45)
     ax_t.set_xlabel("step")
-    ax_t.plot([], [], marker="^", color="k", ls="none", label="crossing ||ΔW|| = ||W(0)||")
-    ax_t.plot([], [], marker="o", color="w", mec="k", ls="none", label="weight-continuity onset")
-    ax_t.legend(fontsize=7, loc="lower right")
-    ax_t.set_title("per run: crossing ▲ and onset ●", fontsize=10)
+    ax_t.set_title("per run: ▲ ||ΔW|| overtakes ||W(0)||, ● onset of weight continuity", fontsize=10)
     fig.suptitle("Gradient → weight transfer (seed 001)")
     fig.text(0.5, -0.02, TRANSFER_CAPTION, ha="center", va="top", fontsize=7, wrap=True)
     return fig

@@ -157,10 +157,10 @@ def _variant_order(names: Sequence[str]) -> list[str]:
     return known + [v for v in dict.fromkeys(names) if v not in known]
 
 
-def _seed_comparison(w: Mapping[str, float], g: Mapping[str, float]) -> str:
-    parts = [f"{name} {key} {vals[name]:.2f} (seed {seed})" for name, key, vals, seed in (
-        ("Res+None", "w_v1", w, "~0.22"), ("Res+None", "g_v1", g, "0.93"), ("NoRes", "g_v1", g, "~0.05"))
-        if name in vals]
+def _seed_comparison(w: Mapping[str, float], g: Mapping[str, float], peak: Mapping[str, float]) -> str:
+    parts = [f"{name} {key} {vals[name]:.2f} ({seed})" for name, key, vals, seed in (
+        ("Res+None", "w_v1", w, "seed ~0.22"), ("Res+None", "g_v1", g, "seed 0.93"), ("NoRes", "g_v1", g, "seed ~0.05"),
+        ("Res+None", "w_v1 peak", peak, "seed: aligns, then drifts")) if name in vals]
     return ("against the seed: " + ", ".join(parts)) if parts else ""
 
 
@@ -238,7 +238,8 @@ def mlp_verdict(runs: Sequence[RunRecord], figures_dir: Path) -> Verdict:
         f"every variant's w_v1 has plateaued (last {TAIL:.0%} of steps)"
     text = "; ".join(part for part in (
         "; ".join(f"{v}: w_v1 {w[v]:.2f}, g_v1 {g[v]:.2f}" for v in variants) + f" (chance {base:.3f})",
-        _seed_comparison(w, g), _scale_text(w, g), plateau_text, _transfer_text(dyn)) if part)
+        _seed_comparison(w, g, {v: _mean(rows, v, "w_v1_peak") for v in variants}), _scale_text(w, g),
+        plateau_text, _transfer_text(dyn)) if part)
     table = tuple({**{k: r.get(k) for k in ("variant", "seed", "w_v1", "w_v1_peak", "w_u1", "g_v1", "g_v1_init",
                                             "dw", "acc")},
                    **{k: d[k] for k in ("last_step", "w_v1_tail_rel", "plateaued", "dW>W0_step", "w_onset_step")}}
