@@ -207,3 +207,19 @@ def test_tiny_real_runs_give_figures_and_columns_read_back_from_metrics(tiny_rep
     # lr 0.03 moves the weights past their initial norm within 40 steps; lr 1e-3 does not
     assert rows["Res+ReLU"]["dW>W0_step"] is not None and rows["NoRes"]["dW>W0_step"] is None
     assert "init-scale and optimiser variants" in verdict["measured"] and "Res+ReLU init2 w_v1" in verdict["measured"]
+
+
+def test_trajectory_figure_draws_each_seed_in_its_variant_colour(tmp_path):
+    from flowgeom.experiments.continuity_figures import draw_trajectories
+
+    w, dw = _planted(crossing=1750, onset=3000, final=0.45)
+    records = RunFolder(_write_metrics(tmp_path / "a", STEPS, w, [0.9] * len(STEPS), dw)).metrics()
+    other = RunFolder(_write_metrics(tmp_path / "b", STEPS, [CHANCE] * len(STEPS), [0.05] * len(STEPS), dw)).metrics()
+    fig = draw_trajectories([("Res+ReLU", records), ("Res+ReLU", records), ("NoRes", other)])
+    ax_w, ax_g = fig.axes
+    runs = [line for line in ax_w.lines if list(line.get_xdata()) == STEPS]
+    assert [list(line.get_ydata()) for line in runs] == [w, w, [CHANCE] * len(STEPS)]
+    assert runs[0].get_color() == runs[1].get_color() != runs[2].get_color()
+    assert [line.get_linestyle() for line in ax_g.lines if list(line.get_xdata()) == STEPS] == ["--"] * 3
+    legend = [t.get_text() for t in ax_w.get_legend().get_texts()]
+    assert legend[:2] == ["Res+ReLU", "NoRes"] and "chance 0.050" in legend  # one entry per variant
