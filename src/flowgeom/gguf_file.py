@@ -382,8 +382,11 @@ def dequantize(raw: torch.Tensor, ggml_type: int) -> torch.Tensor:
         if name == "Q4_0":
             q = (_nibbles(blocks[:, 2:]).to(torch.int8) - 8).to(torch.float32)
             return (d * q).reshape(-1)
-        q = _nibbles(blocks[:, 4:]).to(torch.float32)
-        return (d * q + _f16(blocks, 2)).reshape(-1)
+        qs = blocks[:, 4:]  # (n_blocks, 16) packed nibbles
+        out = torch.empty(qs.shape[0], 32, dtype=torch.float32)  # filled in place: no uint8/float temporaries
+        out[:, :16] = qs & 0x0F  # low nibbles: values 0-15 (copy_ converts to float32, exactly)
+        out[:, 16:] = qs >> 4  # high nibbles: values 16-31
+        return out.mul_(d).add_(_f16(blocks, 2)).reshape(-1)  # float32 d * q, then + m: gguf's rounding, bit for bit
     from gguf import quants  # other (K-, I-) quants: the reference implementation, imported only when needed
 
     return torch.from_numpy(quants.dequantize(raw.numpy(), ggml_type).reshape(-1).copy())
