@@ -68,7 +68,7 @@ def _check_probe_memory(dim: int, args: argparse.Namespace) -> None:
 
     from flowgeom.errors import FlowgeomError
     from flowgeom.langevin.villani import probe_memory
-    from flowgeom.laws.count import available_memory
+    from flowgeom.memory import available_memory
 
     need = probe_memory(dim, rays=args.rays, points=args.points, exact=dim <= args.exact_max_dim, probes=args.probes)
     have = available_memory(torch.device("cpu"))

@@ -59,7 +59,7 @@ def require_check_memory(arch: str, options: dict[str, Any], *, n_fields: int, m
     import torch
 
     from flowgeom.errors import FlowgeomError
-    from flowgeom.laws.count import available_memory
+    from flowgeom.memory import available_memory
 
     if n_fields < 1 or n_fields > MAX_FIELDS:
         raise FlowgeomError(f"--fields must be between 1 and {MAX_FIELDS:,}, got {n_fields}")

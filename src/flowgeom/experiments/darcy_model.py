@@ -2,15 +2,25 @@
 
 ``a`` (B res res) → patches of p×p pixels → tokens (B T d), ``T = (res/p)²``::
 
-    h0 = PatchEmbed(a) + P                               (B T d)
+    h0 = embed(patchify(a)) + pos                        (B T d)
     h1 = h0 + o_proj(softmax(q(x) k(x)ᵀ / √d_k) v(x)),  x = LN(h0)
-    h2 = h1 + MLP(LN(h1))
-    û  = Unpatch(Head(h2))                               (B res res)
+    h2 = h1 + down_proj(gelu(up_proj(LN(h1))))
+    û  = unpatchify(head(h2))                            (B res res)
 
-The attention weights use the zoo's names (``attn.q_proj.weight`` … (out,
-in)), so the regularisers' ``"qk"`` preset selects exactly ``W_Q`` and ``W_K``.
-Inputs are centred (``(a − 7.5)/4.5 ∈ {−1, 1}``); outputs are in the units of
-the normalised targets the experiment feeds it.
+Built from the zoo's blocks: :func:`flowgeom.nn.vit.patchify` /
+:func:`~flowgeom.nn.vit.unpatchify`, :class:`flowgeom.nn.MultiHeadAttention`
+(one head, ``d_v = d_model``, no positions, not causal) and
+:class:`flowgeom.nn.FeedForward` (GELU, biases). Parameter names::
+
+    embed.weight (d p²), embed.bias, pos (T d), ln1.*, ln2.* (LayerNorm with bias)
+    attn.{q,k}_proj.weight (d_k d), attn.{v,o}_proj.weight (d d)
+    mlp.up_proj.* (d_mlp d), mlp.down_proj.* (d d_mlp), head.* (p² d)
+
+so the regularisers' ``"qk"`` preset selects exactly ``W_Q`` and ``W_K``.
+Checkpoints written before the MLP became a ``FeedForward`` (keys
+``mlp.0.*``, ``mlp.2.*``) still load. Inputs are centred
+(``(a − 7.5)/4.5 ∈ {−1, 1}``); outputs are in the units of the normalised
+targets the experiment feeds it.
 """
 
 from __future__ import annotations
@@ -21,22 +31,20 @@ import torch
 from torch import nn
 
 from flowgeom.errors import FlowgeomError
+from flowgeom.nn.attention import MultiHeadAttention
+from flowgeom.nn.block import make_norm
+from flowgeom.nn.feedforward import FeedForward
+from flowgeom.nn.vit import patchify, unpatchify
+
+LEGACY_KEYS = {"mlp.0.": "mlp.up_proj.", "mlp.2.": "mlp.down_proj."}  # nn.Sequential MLP -> FeedForward
 
 
-class SingleHeadAttention(nn.Module):
-    """``o_proj(softmax(q_proj(x) k_proj(x)ᵀ / √d_k) v_proj(x))``, no mask, no biases."""
-
-    def __init__(self, d_model: int, d_k: int):
-        super().__init__()
-        self.d_k = d_k
-        self.q_proj = nn.Linear(d_model, d_k, bias=False)
-        self.k_proj = nn.Linear(d_model, d_k, bias=False)
-        self.v_proj = nn.Linear(d_model, d_model, bias=False)
-        self.o_proj = nn.Linear(d_model, d_model, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (B, T, d)
-        scores = self.q_proj(x) @ self.k_proj(x).transpose(-1, -2) / math.sqrt(self.d_k)  # (B, T, T)
-        return self.o_proj(torch.softmax(scores, dim=-1) @ self.v_proj(x))
+def _rename_legacy(module, state_dict, prefix, *_args) -> None:
+    """Load-state-dict pre-hook: old ``mlp.0.*`` / ``mlp.2.*`` keys under their ``FeedForward`` names."""
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        for old, new in LEGACY_KEYS.items():
+            if key.startswith(prefix + old):
+                state_dict[prefix + new + key[len(prefix + old):]] = state_dict.pop(key)
 
 
 class DarcyViT(nn.Module):
@@ -50,21 +58,18 @@ class DarcyViT(nn.Module):
         tokens = (resolution // patch) ** 2
         self.embed = nn.Linear(patch * patch, d_model)
         self.pos = nn.Parameter(torch.zeros(tokens, d_model))
-        self.ln1 = nn.LayerNorm(d_model)
-        self.attn = SingleHeadAttention(d_model, d_k)
-        self.ln2 = nn.LayerNorm(d_model)
-        self.mlp = nn.Sequential(nn.Linear(d_model, d_mlp), nn.GELU(), nn.Linear(d_mlp, d_model))
+        self.ln1 = make_norm("layernorm", d_model, bias=True)
+        self.attn = MultiHeadAttention(d_model, 1, d_k, d_model, positions="none", seq_len=tokens, causal=False)
+        self.ln2 = make_norm("layernorm", d_model, bias=True)
+        self.mlp = FeedForward(d_model, d_mlp, activation="gelu", bias=True)
         self.head = nn.Linear(d_model, patch * patch)
+        self.register_load_state_dict_pre_hook(_rename_legacy)
 
-    def patchify(self, a: torch.Tensor) -> torch.Tensor:
-        b, r, p = a.shape[0], self.resolution, self.patch
-        x = a.reshape(b, r // p, p, r // p, p).permute(0, 1, 3, 2, 4)  # (B, r/p, r/p, p, p)
-        return x.reshape(b, (r // p) ** 2, p * p)  # (B, T, p²)
+    def patchify(self, a: torch.Tensor) -> torch.Tensor:  # (B, res, res) -> (B, T, p²)
+        return patchify(a.unsqueeze(1), self.patch)
 
-    def unpatchify(self, t: torch.Tensor) -> torch.Tensor:
-        b, r, p = t.shape[0], self.resolution, self.patch
-        x = t.reshape(b, r // p, r // p, p, p).permute(0, 1, 3, 2, 4)  # (B, r/p, p, r/p, p)
-        return x.reshape(b, r, r)
+    def unpatchify(self, t: torch.Tensor) -> torch.Tensor:  # (B, T, p²) -> (B, res, res)
+        return unpatchify(t, self.patch, self.resolution, self.resolution).squeeze(1)
 
     def forward(self, a: torch.Tensor) -> torch.Tensor:  # a (B, res, res) in {3, 12}
         h = self.embed(self.patchify((a - 7.5) / 4.5)) + self.pos  # (B, T, d)

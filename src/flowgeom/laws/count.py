@@ -41,6 +41,7 @@ from torch import nn
 from flowgeom.errors import FlowgeomError
 from flowgeom.laws.fields import FieldModel, Sampler, draw_inputs, generator, module_sampler
 from flowgeom.laws.precision import assess, eager_attention, gap_notes, tolerance_for
+from flowgeom.memory import available_memory
 
 DEFAULT_TOL = {torch.float64: 1e-9, torch.float32: 1e-4}
 
@@ -200,19 +201,6 @@ def io_estimate(sampler: Sampler, out_shape: torch.Size, samples: int, *, bytes_
 def memory_estimate(parameters: int, block: int, *, bytes_per: int = 8) -> int:
     """Bytes the count needs: the D × D basis, the complement swap and a few (block, D) buffers."""
     return bytes_per * (2 * parameters * parameters + 6 * block * parameters)
-
-
-def available_memory(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 16 * 2**30
 
 
 def prepare(module: nn.Module, sample_input: Sampler | None, *, dtype, device) -> tuple[nn.Module, Sampler]:

@@ -35,9 +35,10 @@ from torch import nn
 from flowgeom.errors import FlowgeomError
 from torch.func import vmap
 
-from flowgeom.laws.count import (DEFAULT_TOL, FieldSource, _expected, available_memory, io_estimate, prepare, probe_output,
+from flowgeom.laws.count import (DEFAULT_TOL, FieldSource, _expected, io_estimate, prepare, probe_output,
                                  random_point, require_finite)
 from flowgeom.laws.fields import FieldModel, ParamLayout, Sampler, draw_inputs, generator
+from flowgeom.memory import available_memory
 
 
 @dataclass

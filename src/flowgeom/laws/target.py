@@ -136,7 +136,7 @@ def require_buildable(arch: str, size_options: dict[str, Any], *, max_memory: in
     would not fit in ``max_memory`` (default: 80 % of the free memory), so an absurd size
     is refused with the numbers instead of being killed by the kernel.
     """
-    from flowgeom.laws.count import available_memory
+    from flowgeom.memory import available_memory
     from flowgeom.nn.zoo import config
 
     cfg = config(arch, **size_options)

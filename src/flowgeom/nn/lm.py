@@ -10,7 +10,7 @@ continuity analyzer find every block by name::
     layers.{l}.mlp.{gate,up,down}_proj.weight  (swiglu) | up/down (plain FFN) | router + experts (moe)
     norm.weight, lm_head.weight               (vocab d_model)
 
-Pre-norm residual blocks: h = h + attn(norm(h)); h = h + mlp(norm(h)).
+Pre-norm residual blocks (:class:`~flowgeom.nn.block.PreNormBlock`): h = h + attn(norm(h)); h = h + mlp(norm(h)).
 Sinusoidal positions are added to the embeddings; RoPE acts inside attention.
 """
 
@@ -23,11 +23,11 @@ from torch import nn
 
 from flowgeom.errors import FlowgeomError, require_choices
 from flowgeom.nn.attention import POSITIONS, MultiHeadAttention, sinusoidal_table
+from flowgeom.nn.block import NORMS, PreNormBlock, make_norm
 from flowgeom.nn.feedforward import ACTIVATIONS, FeedForward, SwiGLU
 from flowgeom.nn.moe import GATES, MixtureOfExperts
 
 MLPS = ("swiglu", "moe") + tuple(ACTIVATIONS)  # a plain FFN is named by its activation
-NORMS = ("rmsnorm", "layernorm", "none")
 
 
 @dataclass(frozen=True)
@@ -57,14 +57,6 @@ class LMConfig:
             raise FlowgeomError(f"top_k={self.top_k} must lie in 1..experts={self.experts}")
 
 
-def make_norm(kind: str, d: int) -> nn.Module:
-    if kind == "rmsnorm":
-        return nn.RMSNorm(d, eps=1e-6)
-    if kind == "layernorm":
-        return nn.LayerNorm(d, bias=False)
-    return nn.Identity()
-
-
 def _mlp(cfg: LMConfig) -> nn.Module:
     if cfg.mlp == "swiglu":
         return SwiGLU(cfg.d_model, cfg.d_hidden)
@@ -73,18 +65,11 @@ def _mlp(cfg: LMConfig) -> nn.Module:
     return FeedForward(cfg.d_model, cfg.d_hidden, activation=cfg.mlp)
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg: LMConfig):
-        super().__init__()
-        rope = "rope" if cfg.positions == "rope" else "none"
-        self.input_layernorm = make_norm(cfg.norm, cfg.d_model)
-        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.heads, cfg.d_k, cfg.d_k, positions=rope, seq_len=cfg.seq_len)
-        self.post_attention_layernorm = make_norm(cfg.norm, cfg.d_model)
-        self.mlp = _mlp(cfg)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:  # (B, T, d_model)
-        h = h + self.self_attn(self.input_layernorm(h))
-        return h + self.mlp(self.post_attention_layernorm(h))
+def decoder_block(cfg: LMConfig) -> PreNormBlock:
+    """One causal block: attention (RoPE inside when ``positions="rope"``) then ``cfg.mlp``."""
+    rope = "rope" if cfg.positions == "rope" else "none"
+    attn = MultiHeadAttention(cfg.d_model, cfg.heads, cfg.d_k, cfg.d_k, positions=rope, seq_len=cfg.seq_len)
+    return PreNormBlock(cfg.d_model, attn, _mlp(cfg), norm=cfg.norm)
 
 
 class TinyLM(nn.Module):
@@ -94,7 +79,7 @@ class TinyLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab, cfg.d_model)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(decoder_block(cfg) for _ in range(cfg.n_layers))
         self.norm = make_norm(cfg.norm, cfg.d_model)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
         if cfg.positions == "sinusoidal":

@@ -26,7 +26,7 @@ from torch import nn
 from flowgeom.errors import FlowgeomError, choice_error
 from flowgeom.nn.attention import MultiHeadAttention
 from flowgeom.nn.feedforward import SwiGLU
-from flowgeom.nn.lm import NORMS, make_norm
+from flowgeom.nn.block import NORMS, PreNormBlock, make_norm
 
 
 
@@ -57,18 +57,11 @@ class ViTConfig:
         return (self.image_size // self.patch) ** 2
 
 
-class EncoderLayer(nn.Module):
-    def __init__(self, cfg: ViTConfig):
-        super().__init__()
-        self.input_layernorm = make_norm(cfg.norm, cfg.d_model)
-        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.heads, cfg.d_k, cfg.d_k, positions="none",
-                                            seq_len=cfg.n_patches, causal=False)
-        self.post_attention_layernorm = make_norm(cfg.norm, cfg.d_model)
-        self.mlp = SwiGLU(cfg.d_model, cfg.d_hidden)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:  # (B, P, d_model)
-        h = h + self.self_attn(self.input_layernorm(h))
-        return h + self.mlp(self.post_attention_layernorm(h))
+def encoder_block(cfg: ViTConfig) -> PreNormBlock:
+    """One bidirectional block over the patches: attention without positions, then SwiGLU."""
+    attn = MultiHeadAttention(cfg.d_model, cfg.heads, cfg.d_k, cfg.d_k, positions="none", seq_len=cfg.n_patches,
+                              causal=False)
+    return PreNormBlock(cfg.d_model, attn, SwiGLU(cfg.d_model, cfg.d_hidden), norm=cfg.norm)
 
 
 def patchify(images: torch.Tensor, patch: int) -> torch.Tensor:
@@ -79,6 +72,15 @@ def patchify(images: torch.Tensor, patch: int) -> torch.Tensor:
     return x.reshape(B, (H // patch) * (W // patch), C * patch * patch)
 
 
+def unpatchify(tokens: torch.Tensor, patch: int, height: int, width: int) -> torch.Tensor:
+    """(B, (H/p)*(W/p), C*p*p) -> (B, C, H, W): the inverse of :func:`patchify`."""
+    B, _, D = tokens.shape
+    C = D // (patch * patch)
+    x = tokens.reshape(B, height // patch, width // patch, C, patch, patch)  # (B, h, w, C, p, p)
+    x = x.permute(0, 3, 1, 4, 2, 5)  # (B, C, h, p, w, p)
+    return x.reshape(B, C, height, width)
+
+
 class ViT(nn.Module):
     """Images (B, C, H, W) float -> class logits (B, n_classes)."""
 
@@ -87,7 +89,7 @@ class ViT(nn.Module):
         self.cfg = cfg
         self.patch_embed = nn.Linear(cfg.channels * cfg.patch ** 2, cfg.d_model)
         self.pos_embed = nn.Parameter(0.02 * torch.randn(cfg.n_patches, cfg.d_model, generator=generator))
-        self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(encoder_block(cfg) for _ in range(cfg.n_layers))
         self.norm = make_norm(cfg.norm, cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.n_classes)
 
