@@ -166,7 +166,8 @@ def small_gram(A: torch.Tensor) -> tuple[torch.Tensor, str]:
     if _blas.supported(A):
         d = min(m, n)
         grams = [_blas.syrk_gram(X, side) for X in A.reshape(-1, m, n)]  # one BLAS call per matrix of the stack
-        return torch.stack(grams).reshape(*A.shape[:-2], d, d), side
+        stacked = grams[0].unsqueeze(0) if len(grams) == 1 else torch.stack(grams)  # no copy for one matrix
+        return stacked.reshape(*A.shape[:-2], d, d), side
     return (A.mT @ A if side == "in" else A @ A.mT), side
 
 
