@@ -181,17 +181,31 @@ def drift_verdict(runs: Sequence[RunRecord], figures_dir: Path) -> Verdict:
     fig = curves(figures_dir / "drift.png", series, title="conservation error ε(k) in SGD training",
                  xlabel="step k", ylabel="ε(k)", logy=True)
     text = "; ".join(f"{row['run']}: laws ≤ {row['max law ε']:.1e} vs control {row['min control ε']:.1e}" for row in rows)
-    large = [row["run"] for row in rows if not row["max law ε"] < BOUNDED]
-    above = [row["run"] for row in rows if row["run"] not in large and not (row["ratio"] is not None and row["ratio"] < 1)]
-    if large:
-        return Verdict(text, "not reproduced", how=f"the laws' relative error reaches ≥ {BOUNDED} in {', '.join(large)}",
-                       figures=(fig,), table=tuple(rows))
-    if above:
-        return Verdict(text, "differs", how=f"the laws' error stays small (< {BOUNDED}) but is not below the "
-                       f"non-conserved control's in {', '.join(above)}: at this step size and length the O(τ²k) "
-                       "drift of the laws is as large as the control's first-order change", figures=(fig,),
-                       table=tuple(rows))
-    return Verdict(text, "reproduced", figures=(fig,), table=tuple(rows))
+    judged = {lr: _judge_step_size([row for row, r in zip(rows, runs) if r.config.get("lr") == lr])
+              for lr in dict.fromkeys(r.config.get("lr") for r in runs)}
+    how = "; ".join(f"lr={lr}: {why}" for lr, (_, why) in judged.items())
+    states = {state for state, _ in judged.values()}
+    if states == {"separated"}:
+        return Verdict(text, "reproduced", figures=(fig,), table=tuple(rows))
+    if "separated" in states:  # the bound holds where τ²k is small and is loose where it is not
+        return Verdict(text, "differs", how=how + " — the laws are conserved up to the O(τ²k) drift, which is "
+                       "small only at the smaller step sizes", figures=(fig,), table=tuple(rows))
+    if states == {"large"}:
+        return Verdict(text, "not reproduced", how=how, figures=(fig,), table=tuple(rows))
+    return Verdict(text, "differs", how=how, figures=(fig,), table=tuple(rows))
+
+
+def _judge_step_size(rows: Sequence[Mapping[str, Any]]) -> tuple[str, str]:
+    """``(state, why)`` of the runs at one step size: separated, close (bounded, not below the control) or large."""
+    worst = max(row["max law ε"] for row in rows)
+    ratios = [row["ratio"] for row in rows]
+    if not worst < BOUNDED:
+        return "large", f"the laws' relative error reaches {worst:.2g} (≥ {BOUNDED})"
+    if all(q is not None and q < 1 for q in ratios):
+        return "separated", (f"laws ≤ {worst:.1e}, {1 / max(ratios):.0f}×–{1 / min(ratios):.0f}× below the "
+                             "non-conserved control")
+    return "close", (f"laws ≤ {worst:.1e} but not below the control in every run: the run is too short for the "
+                     "control's first-order change to exceed the laws' O(τ²k) drift")
 
 
 TEXTS = {
