@@ -72,7 +72,7 @@ def _run(problem: Regression, folder: RunFolder, *, steps: int, log_every: int, 
                       stop_after=stop_after, final_tick=final_tick)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(steps=st.integers(1, 12), log_every=st.integers(1, 5), final_tick=st.booleans())
 def test_hooks_run_on_the_log_ticks_after_the_forward_and_before_the_update(steps, log_every, final_tick):
     problem = Regression()
@@ -205,7 +205,8 @@ def test_other_errors_are_not_divergence():
         train_loop(Step(update=update), steps=3, log=lambda line: None, log_every=1)
 
 
-@pytest.mark.parametrize("kwargs, match", [(dict(log_every=0), "log_every"), (dict(checkpoint_every=-1), "checkpoint_every"),
+@pytest.mark.parametrize("kwargs, match", [(dict(log_every=0), "log_every"),
+                                           (dict(checkpoint_every=-1), "checkpoint_every"),
                                            (dict(start=12), "start"), (dict(start=-1), "start")])
 def test_bad_arguments_name_the_value(kwargs, match):
     with pytest.raises(FlowgeomError, match=match):

@@ -269,6 +269,7 @@ def run_conservation(cfg: ConservationConfig, out: str | Path, *, resume: bool =
     The ticks are :func:`~flowgeom.experiments.training.train_loop`'s: tick
     ``k`` logs ``step``, flow ``time``, the batch loss at ``θ_k`` and every
     monitor's ε(k); the last tick (``k = steps``) only measures.
+    ``progress(done, steps)`` is called after each update.
     ``stop_after`` (tests only) returns ``None`` after that many optimiser
     steps without finishing, as a kill would. A finished run is not redone.
     """
@@ -324,7 +325,8 @@ def run_conservation(cfg: ConservationConfig, out: str | Path, *, resume: bool =
     end = train_loop(Step(forward=forward, update=update), steps=cfg.steps, start=start, log=run.log,
                      log_every=cfg.log_every, context=lambda k: {"step": k, "time": clock["time"]},
                      hooks=(loss_hook, measure), checkpoint=save, checkpoint_every=cfg.checkpoint_every,
-                     stop_after=stop_after, progress=None if progress is None else lambda done: progress(done, cfg.steps))
+                     stop_after=stop_after,
+                     progress=None if progress is None else lambda done: progress(done, cfg.steps))
     if end.status == "stopped":
         return None
     if end.status == "diverged":
