@@ -144,6 +144,7 @@ def test_verdict_on_planted_runs_reports_transfer_and_plateau(tmp_path):
     # the seed's numbers are quoted next to ours, the Adam b2=0 variant is reported without a check
     assert "Res+None w_v1 0.28 (seed ~0.22)" in v.measured and "NoRes g_v1 0.05 (seed ~0.05)" in v.measured
     assert "Res+None w_v1 peak 0.28 (seed: aligns, then drifts)" in v.measured
+    assert "NoRes w_v1 0.05 (seed: no continuity)" in v.measured
     assert "Res+ReLU Adam-b2=0 w_v1 0.50" in v.measured and "not judged" in v.measured
     # Res+None: g 0.93 > 0.5 and w 0.28 < 0.45 (the only activated net); NoRes g at chance; ReLU above NoRes
     assert v.verdict == "reproduced"

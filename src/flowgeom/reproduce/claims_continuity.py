@@ -160,7 +160,8 @@ def _variant_order(names: Sequence[str]) -> list[str]:
 def _seed_comparison(w: Mapping[str, float], g: Mapping[str, float], peak: Mapping[str, float]) -> str:
     parts = [f"{name} {key} {vals[name]:.2f} ({seed})" for name, key, vals, seed in (
         ("Res+None", "w_v1", w, "seed ~0.22"), ("Res+None", "g_v1", g, "seed 0.93"), ("NoRes", "g_v1", g, "seed ~0.05"),
-        ("Res+None", "w_v1 peak", peak, "seed: aligns, then drifts")) if name in vals]
+        ("Res+None", "w_v1 peak", peak, "seed: aligns, then drifts"), ("NoRes", "w_v1", w, "seed: no continuity"))
+        if name in vals]
     return ("against the seed: " + ", ".join(parts)) if parts else ""
 
 
