@@ -14,7 +14,8 @@ from flowgeom.reproduce import claims_conservation, claims_continuity
 from flowgeom.reproduce.pipeline import run
 from flowgeom.reproduce.registry import AREAS, load_claims
 
-CPU_CLAIMS = {"conservation.drift", "continuity.mlp-ablation", "continuity.lm-projection", "langevin.darcy"}
+CPU_CLAIMS = {"conservation.drift", "continuity.mlp-ablation", "continuity.lm-projection", "continuity.sharing",
+              "langevin.darcy"}
 
 
 def _claim(claims, claim_id):
