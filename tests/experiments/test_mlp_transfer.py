@@ -123,7 +123,8 @@ def _planted_records(tmp_path: Path) -> list[RunRecord]:
         w, dw = _planted(crossing, onset, final, tail_rise=rise)
         path = tmp_path / "runs" / variant.replace("+", "_").replace(" ", "_")
         _write_metrics(path / "run", STEPS, w, [g] * len(STEPS), dw)
-        records.append(RunRecord(variant, {"variant": variant, "seed": 0}, _summary(variant, w[-1], g), path))
+        summary = {**_summary(variant, w[-1], g), **({"status": "nan"} if "Adam" in variant else {})}
+        records.append(RunRecord(variant, {"variant": variant, "seed": 0}, summary, path))
     return records[::-1]  # the verdict orders variants itself
 
 
@@ -145,7 +146,9 @@ def test_verdict_on_planted_runs_reports_transfer_and_plateau(tmp_path):
     assert "Res+None w_v1 0.28 (seed ~0.22)" in v.measured and "NoRes g_v1 0.05 (seed ~0.05)" in v.measured
     assert "Res+None w_v1 peak 0.28 (seed: aligns, then drifts)" in v.measured
     assert "NoRes w_v1 0.05 (seed: no continuity)" in v.measured
-    assert "Res+ReLU Adam-b2=0 w_v1 0.50" in v.measured and "not judged" in v.measured
+    assert "Res+ReLU Adam-b2=0 w_v1 0.50, g_v1 0.90 [run nan]" in v.measured and "not judged" in v.measured
+    assert "did not finish (numbers up to where they stopped): Res+ReLU Adam-b2=0 (status nan)" in v.measured
+    assert table["Res+ReLU Adam-b2=0"]["status"] == "nan" and table["Res+ReLU"]["status"] == "finished"
     # Res+None: g 0.93 > 0.5 and w 0.28 < 0.45 (the only activated net); NoRes g at chance; ReLU above NoRes
     assert v.verdict == "reproduced"
 

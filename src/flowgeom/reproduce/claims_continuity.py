@@ -165,13 +165,14 @@ def _seed_comparison(w: Mapping[str, float], g: Mapping[str, float], peak: Mappi
     return ("against the seed: " + ", ".join(parts)) if parts else ""
 
 
-def _scale_text(w: Mapping[str, float], g: Mapping[str, float]) -> str:
+def _scale_text(w: Mapping[str, float], g: Mapping[str, float], broken: Mapping[str, str]) -> str:
     present = [v for v in SCALE_VARIANTS if v in w]
     if not present:
         return ""
     ref = f"; Res+ReLU w_v1 {w['Res+ReLU']:.2f}" if "Res+ReLU" in w else ""
     return ("init-scale and optimiser variants (the seed varies them without giving a number; reported, not "
-            "judged): " + ", ".join(f"{v} w_v1 {w[v]:.2f}, g_v1 {g[v]:.2f}" for v in present) + ref)
+            "judged): " + ", ".join(f"{v} w_v1 {w[v]:.2f}, g_v1 {g[v]:.2f}"
+                                    + (f" [run {broken[v]}]" if v in broken else "") for v in present) + ref)
 
 
 def _transfer_text(dyn: Sequence[Mapping[str, Any]]) -> str:
@@ -234,14 +235,17 @@ def mlp_verdict(runs: Sequence[RunRecord], figures_dir: Path) -> Verdict:
     if act and "NoRes" in w:
         checks.append(("Res+ReLU/GELU/SiLU: high weight continuity, above NoRes", min(act) > w["NoRes"]))
     moving = list(dict.fromkeys(d["variant"] for d in dyn if d["plateaued"] is False))
+    broken = {row["variant"]: str(row["status"]) for row in rows if row.get("status", "finished") != "finished"}
+    broken_text = ("runs that did not finish (numbers up to where they stopped): "
+                   + ", ".join(f"{v} (status {st})" for v, st in broken.items())) if broken else ""
     plateau_text = (f"w_v1 not plateaued (change over the last {TAIL:.0%} of steps > {PLATEAU_RTOL:.0%} of final "
                     f"and > {PLATEAU_ATOL}): " + ", ".join(moving)) if moving else \
         f"every variant's w_v1 has plateaued (last {TAIL:.0%} of steps)"
     text = "; ".join(part for part in (
         "; ".join(f"{v}: w_v1 {w[v]:.2f}, g_v1 {g[v]:.2f}" for v in variants) + f" (chance {base:.3f})",
-        _seed_comparison(w, g, {v: _mean(rows, v, "w_v1_peak") for v in variants}), _scale_text(w, g),
-        plateau_text, _transfer_text(dyn)) if part)
-    table = tuple({**{k: r.get(k) for k in ("variant", "seed", "w_v1", "w_v1_peak", "w_u1", "g_v1", "g_v1_init",
+        _seed_comparison(w, g, {v: _mean(rows, v, "w_v1_peak") for v in variants}), _scale_text(w, g, broken),
+        broken_text, plateau_text, _transfer_text(dyn)) if part)
+    table = tuple({**{k: r.get(k) for k in ("variant", "seed", "status", "w_v1", "w_v1_peak", "w_u1", "g_v1", "g_v1_init",
                                             "dw", "acc")},
                    **{k: d[k] for k in ("last_step", "w_v1_tail_rel", "plateaued", "dW>W0_step", "w_onset_step")}}
                   for r, d in zip(rows, dyn))
