@@ -146,6 +146,19 @@ def timed(cmd: list[str], env: dict) -> tuple[float, float]:
     return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (Linux), else the platform's processor string."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "unknown CPU"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--source", default="builtin:smollm2")
@@ -177,11 +190,13 @@ def main() -> int:
                 "flowgeom CLI on the safetensors": flowgeom + [str(path), "--spectra", "--json", "--threads", "1"],
                 "weightwatcher, safetensors -> analyze()": [exe, "-c", WW_WORKER, str(path), str(out)]}
         times: dict[str, list[tuple[float, float]]] = {k: [] for k in runs}
+        load_before = os.getloadavg()[0]
         for _ in range(args.rounds):  # interleaved: slow drifts of the machine load hit every row alike
             for key, cmd in runs.items():
                 times[key].append(timed(cmd, env))
-        print(f"end to end, 1 thread, {args.rounds} interleaved rounds, load average {os.getloadavg()[0]:.1f} "
-              f"on {os.cpu_count()} cores (median wall / median CPU seconds):")
+        print(f"end to end, 1 thread, {args.rounds} interleaved rounds on {cpu_model()} ({os.cpu_count()} cores), "
+              f"1-min load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after "
+              "(median wall / median CPU seconds):")
         ww_key = list(runs)[-1]
         ww_wall = statistics.median(t[0] for t in times[ww_key])
         ww_cpu = statistics.median(t[1] for t in times[ww_key])
