@@ -234,6 +234,9 @@ def mlp_verdict(runs: Sequence[RunRecord], figures_dir: Path) -> Verdict:
         checks.append(("Res+Radial: low weight continuity (seed v1 ~0.22)", w["Res+Radial"] < min(act)))
     if act and "NoRes" in w:
         checks.append(("Res+ReLU/GELU/SiLU: high weight continuity, above NoRes", min(act) > w["NoRes"]))
+        # the seed's "no weight continuity develops" without residuals, with the same band as the gradient check
+        checks.append((f"NoRes: no weight continuity (seed); ours w_v1 {w['NoRes']:.2f} vs chance {base:.2f}",
+                       w["NoRes"] < 3 * base + 0.05))
     moving = list(dict.fromkeys(d["variant"] for d in dyn if d["plateaued"] is False))
     broken = {row["variant"]: str(row["status"]) for row in rows if row.get("status", "finished") != "finished"}
     broken_text = ("runs that did not finish (numbers up to where they stopped): "
