@@ -101,7 +101,9 @@ def _raise_unfinished(summary: dict | None, out: str) -> None:
 
 
 def _common_run_options(p: argparse.ArgumentParser) -> None:
-    add_scale(p, {"quick": "laptop scale: minutes on 2 cores", "cpu": "fits 2 CPU cores: MLP 16x256 on all MNIST, 8000 steps (~6 min); LM 6.3M params, 1000 steps (~30 min)",
+    add_scale(p, {"quick": "laptop scale: minutes on 2 cores",
+                  "cpu": "fits 2 CPU cores: MLP 16x256 on all MNIST, 8000 steps (~6 min); LM 6.3M params, 1000 steps "
+                         "(~30 min)",
                   "full": "the seed's configuration (GPU for the LM)"}, preset_alias=True)
     p.add_argument("--out", required=True, help="run folder (created; refused if it holds a run, unless --resume)")
     p.add_argument("--resume", action="store_true", help="continue a killed run from its last checkpoint")
