@@ -57,17 +57,8 @@ def test_drift_cpu_grid_is_longer_sgd_on_the_two_named_architectures():
     assert conservation.CPU.steps >= 10 * conservation.QUICK.steps
 
 
-def test_conserve_run_cpu_trains_the_claims_cpu_grid(monkeypatch, tmp_path, capsys):
-    seen = []
-
-    def record(cfg, out, *, resume=False, **_):
-        seen.append(cfg)
-        return {"final": {}}
-
-    monkeypatch.setattr(conservation, "run_conservation", record)
-    monkeypatch.setattr(conservation, "plot_grid", lambda rows, path, title: path)
-    assert main(["conserve", "run", "--cpu", "--arch", "mha-rope-swiglu", "--arch", "moe-top2-softmax",
-                 "--out", str(tmp_path), "--json"]) == 0
+def test_conserve_run_cpu_trains_the_claims_cpu_grid(conserve_run_configs, capsys):
+    seen = conserve_run_configs("--cpu", "--arch", "mha-rope-swiglu", "--arch", "moe-top2-softmax")
     claim = _claim(claims_conservation.claims, "conservation.drift")
     assert set(seen) == {claims_conservation.drift_config(c) for c in claim.cpu}
 

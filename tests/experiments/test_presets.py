@@ -25,21 +25,8 @@ def _claim(claims, claim_id):
     return next(c for c in claims() if c.id == claim_id)
 
 
-def _cli_conservation_runs(monkeypatch, tmp_path, *flags):
-    seen = []
-
-    def record(cfg, out, *, resume=False, **_):
-        seen.append(cfg)
-        return {"final": {}}
-
-    monkeypatch.setattr(conservation, "run_conservation", record)
-    monkeypatch.setattr(conservation, "plot_grid", lambda rows, path, title: path)
-    assert main(["conserve", "run", *flags, "--regime", "sgd", "--out", str(tmp_path), "--json"]) == 0
-    return seen
-
-
-def test_conserve_run_full_trains_the_claims_full_grid(monkeypatch, tmp_path, capsys):
-    cli = _cli_conservation_runs(monkeypatch, tmp_path, "--full")
+def test_conserve_run_full_trains_the_claims_full_grid(conserve_run_configs, capsys):
+    cli = conserve_run_configs("--full")
     claim = _claim(claims_conservation.claims, "conservation.drift")
     ours = [claims_conservation.drift_config(c) for c in claim.full]
     assert len(cli) == len(ours) == len(conservation.ARCHS) * len(conservation.FULL.lrs) * conservation.FULL.seeds
@@ -48,9 +35,8 @@ def test_conserve_run_full_trains_the_claims_full_grid(monkeypatch, tmp_path, ca
     assert (lm.d_model, lm.n_layers, lm.steps) == (512, 12, 20_000)  # seed 000's 12-layer LM, not a smaller one
 
 
-def test_conserve_run_quick_is_the_quick_claims_run(monkeypatch, tmp_path, capsys):
-    cli = _cli_conservation_runs(monkeypatch, tmp_path, "--quick", "--arch", "mha-rope-swiglu", "--arch",
-                                 "moe-top2-softmax", "--lr", "0.1")
+def test_conserve_run_quick_is_the_quick_claims_run(conserve_run_configs, capsys):
+    cli = conserve_run_configs("--quick", "--arch", "mha-rope-swiglu", "--arch", "moe-top2-softmax", "--lr", "0.1")
     claim = _claim(claims_conservation.claims, "conservation.drift")
     assert set(cli) == {claims_conservation.drift_config(c) for c in claim.quick}
 

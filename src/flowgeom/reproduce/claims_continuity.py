@@ -375,15 +375,17 @@ TEXTS = {
 
 
 def _mlp_claim() -> Claim:
-    from flowgeom.experiments.continuity_mlp import CORE, summarise_run, train_mlp, variant_config  # noqa: F401
+    from flowgeom.experiments.continuity_mlp import CORE, CPU, summarise_run, train_mlp, variant_config  # noqa: F401
 
     every = CORE + SCALE_VARIANTS
 
     return Claim("continuity", "continuity.mlp-ablation", "001", TEXTS["continuity.mlp-ablation"],
                  quick=tuple({"variant": v, "preset": "quick", "seed": 0, "steps": 300} for v in CORE),
                  full=tuple({"variant": v, "preset": "full", "seed": s, "steps": None} for v in every for s in range(3)),
-                 # the seed's model and data, one seed and 8000 steps (~17 epochs): ~6 min a variant on one core
-                 cpu=tuple({"variant": v, "preset": "full", "seed": 0, "steps": 8000, "log_every": 250} for v in every),
+                 # the CPU preset (the seed's model and data, 8000 steps), one seed; spelled as full + overrides so
+                 # the run ids of results/full/ stay those of the sweep that made them
+                 cpu=tuple({"variant": v, "preset": "full", "seed": 0, "steps": CPU.steps, "log_every": CPU.log_every}
+                           for v in every),
                  run=run_mlp, verdict=mlp_verdict)
 
 
