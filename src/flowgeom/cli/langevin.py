@@ -7,8 +7,8 @@ import sys
 from dataclasses import asdict, replace
 
 from flowgeom.cli._common import (
-    add_device, add_json, add_seed, add_threads, apply_threads, area, bounded_int, comma_list, command, console,
-    figure_path, finite_float, nonneg_float, nonneg_int, positive_float, positive_int, print_json, resolve_device,
+    add_device, add_json, add_scale, add_seed, add_threads, apply_threads, area, bounded_int, comma_list, command,
+    console, figure_path, finite_float, nonneg_float, nonneg_int, positive_float, positive_int, print_json, resolve_device,
     step_size,
 )
 
@@ -85,7 +85,7 @@ def run_darcy(args: argparse.Namespace) -> int:
 
     apply_threads(args.threads)
     device = str(resolve_device(args.device))
-    cfg = FULL if args.full else QUICK
+    cfg = FULL if args.scale == "full" else QUICK
     overrides = {k: getattr(args, k) for k in ("data", "steps", "pretrain_steps", "lr", "temperature", "lam", "eps", "seed")
                  if getattr(args, k) is not None}
     if args.regs:
@@ -216,9 +216,8 @@ def register(sub) -> None:
                 example="flowgeom langevin darcy --quick --out runs/darcy\n"
                         "flowgeom langevin darcy --quick --out runs/darcy --resume --json",
                 func=run_darcy)
-    size = p.add_mutually_exclusive_group()
-    size.add_argument("--quick", action="store_true", help="quick config (default; about a minute on one core)")
-    size.add_argument("--full", action="store_true", help="bigger model, longer chains")
+    add_scale(p, {"quick": "quick config (about a minute on one core)",
+                  "full": "the full two-phase protocol, bigger model, longer chains (~35 min on one core)"})
     p.add_argument("--out", required=True, help="run folder")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     p.add_argument("--data", choices=["shipped", "generated"], help="shipped 16x16 set (default) or our FD generator")
