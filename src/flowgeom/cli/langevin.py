@@ -8,8 +8,8 @@ from dataclasses import asdict, replace
 
 from flowgeom.cli._common import (
     add_device, add_json, add_scale, add_seed, add_threads, apply_threads, area, bounded_int, comma_list, command,
-    console, figure_path, finite_float, nonneg_float, nonneg_int, positive_float, positive_int, print_json, resolve_device,
-    step_size,
+    console, figure_path, finite_float, nonneg_float, nonneg_int, positive_float, positive_int, print_json,
+    resolve_device, step_size,
 )
 
 REGS = ("none", "log", "power", "frobenius")
