@@ -1,7 +1,7 @@
 """flowgeom ``continuity analyze --spectra`` against weightwatcher 0.7.7 on the same matrices: values and speed.
 
     .venv/bin/python benchmarks/weightwatcher_compare.py [--source builtin:smollm2] [--ww-python /tmp/wwenv/bin/python]
-                                                         [--rounds 3] [--no-timing]
+                                                         [--rounds 3] [--threads 1] [--no-timing] [--no-values]
 
 weightwatcher is not a flowgeom dependency. It is used when ``import
 weightwatcher`` works in this interpreter or in ``--ww-python`` (a throwaway
@@ -164,14 +164,18 @@ def main() -> int:
     ap.add_argument("--source", default="builtin:smollm2")
     ap.add_argument("--ww-python", default="/tmp/wwenv/bin/python")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="BLAS/OpenMP threads of both sides (default 1, the project's rule for timings)")
     ap.add_argument("--no-timing", action="store_true")
+    ap.add_argument("--no-values", action="store_true", help="skip the per-matrix value comparison")
     args = ap.parse_args()
     exe = ww_python(args.ww_python)
     if exe is None:
         print(f"weightwatcher is not importable here nor in {args.ww_python}: skipped (it is not a flowgeom "
               "dependency; see this script's docstring to install it in a throwaway venv)")
         return 0
-    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    n = str(args.threads)
+    env = dict(os.environ, OMP_NUM_THREADS=n, OPENBLAS_NUM_THREADS=n, MKL_NUM_THREADS=n)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "model.safetensors"
         names = export(args.source, path)
@@ -181,20 +185,20 @@ def main() -> int:
         print(f"{args.source}: {len(names)} matrices; weightwatcher {ww_out['version']} analyze() {wall:.1f} s wall")
         if len(ww_out["rows"]) != len(names):
             print(f"   weightwatcher analysed {len(ww_out['rows'])} of {len(names)} matrices")
-        for dtype in ("float32", "float64"):
+        for dtype in () if args.no_values else ("float32", "float64"):
             compare(ww_out["rows"], flowgeom_values(path, dtype), f"flowgeom --dtype {dtype} vs weightwatcher")
         if args.no_timing:
             return 0
         flowgeom = [str(Path(sys.executable).with_name("flowgeom")), "continuity", "analyze"]
-        runs = {"flowgeom CLI on " + args.source: flowgeom + [args.source, "--spectra", "--json", "--threads", "1"],
-                "flowgeom CLI on the safetensors": flowgeom + [str(path), "--spectra", "--json", "--threads", "1"],
+        runs = {"flowgeom CLI on " + args.source: flowgeom + [args.source, "--spectra", "--json", "--threads", n],
+                "flowgeom CLI on the safetensors": flowgeom + [str(path), "--spectra", "--json", "--threads", n],
                 "weightwatcher, safetensors -> analyze()": [exe, "-c", WW_WORKER, str(path), str(out)]}
         times: dict[str, list[tuple[float, float]]] = {k: [] for k in runs}
         load_before = os.getloadavg()[0]
         for _ in range(args.rounds):  # interleaved: slow drifts of the machine load hit every row alike
             for key, cmd in runs.items():
                 times[key].append(timed(cmd, env))
-        print(f"end to end, 1 thread, {args.rounds} interleaved rounds on {cpu_model()} ({os.cpu_count()} cores), "
+        print(f"end to end, {n} thread(s), {args.rounds} interleaved rounds on {cpu_model()} ({os.cpu_count()} cores), "
               f"1-min load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after "
               "(median wall / median CPU seconds):")
         ww_key = list(runs)[-1]

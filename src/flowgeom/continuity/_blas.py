@@ -1,34 +1,53 @@
-"""CPU BLAS kernels for the analyzer's two heavy products, through scipy's BLAS.
+"""CPU BLAS/LAPACK kernels for the analyzer's heavy steps, called with the GIL released.
 
 * ``syrk_gram``: ``X^T X`` or ``X X^T`` by ``?syrk``, which computes one
   triangle: half the flops of ``X.mT @ X`` (torch has no syrk).
 * ``cross_product``: ``A B^T`` or ``A^T B`` by ``?gemm``.
+* ``tridiagonal_top``: every eigenvalue and the top-k eigenpairs of a
+  symmetric matrix from one ``?sytrd`` reduction (``?sterf``, ``?stemr``,
+  ``?ormqr``).
+* ``syevr_top``: the top-k eigenpairs alone by ``?syevr``.
 
-Why not torch for the second: while these kernels run, torch is kept
+**Why raw function pointers.** scipy publishes the BLAS/LAPACK it links as
+C function pointers (``scipy.linalg.cython_blas`` / ``cython_lapack``,
+Fortran convention: every argument by address). Called through ``ctypes``
+they run with the GIL released, so the analyzer can work on several roles
+in parallel threads (one BLAS thread each); scipy's own f2py wrappers keep
+the GIL for the whole call. The routines and arguments are those the f2py
+wrappers pass (same ``lwork`` queries, upper triangle for ``?syrk``, lower
+for the eigensolvers), so the results are bit-identical to
+``scipy.linalg.blas``/``lapack`` (tests/continuity/test_blas_kernels.py).
+
+**Why not torch for these.** While the kernels run, torch is kept
 single-threaded (:func:`cpu_threads`) because libgomp's spin-waiting workers
 slow every LAPACK call that follows a torch op (the SmolLM2 analysis went
 from 2.6 s to 10.6 s with torch at 2 threads on a 2-vCPU VM), and OpenBLAS's
 own spinning workers slow the torch ops that follow in a training loop (the
-quick continuity experiments ran 3x slower). The heavy products therefore go
-to scipy's OpenBLAS, whose thread count :func:`cpu_threads` sets.
+quick continuity experiments ran 3x slower). torch has no ``syrk`` or
+partial eigensolver, and its MKL ``?syevd`` is slower than OpenBLAS's
+reduction on the AMD CPUs measured.
 
-A C-ordered (m, n) array is the Fortran-ordered (n, m) matrix ``X^T``, so every
-call below passes ``.T`` views and BLAS transposition flags: no copies.
+A C-ordered (m, n) array is the Fortran-ordered (n, m) matrix ``X^T``, so the
+products pass ``.T`` views and BLAS transposition flags: no copies.
 """
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cache
 
 import numpy as np
 import torch
-from scipy.linalg import blas
+from scipy.linalg import cython_blas, cython_lapack
 from threadpoolctl import ThreadpoolController
 
-_SYRK = {torch.float32: blas.ssyrk, torch.float64: blas.dsyrk}
-_GEMM = {torch.float32: blas.sgemm, torch.float64: blas.dgemm}
+from flowgeom.errors import FlowgeomError
+
+_PREFIX = {np.dtype(np.float32): "s", np.dtype(np.float64): "d"}
+_SCALAR = {np.dtype(np.float32): ctypes.c_float, np.dtype(np.float64): ctypes.c_double}
+_DTYPES = (torch.float32, torch.float64)
 
 
 @cache
@@ -54,9 +73,60 @@ def cpu_threads(blas_threads: int | None = None) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+def blas_threads() -> int:
+    """scipy's BLAS thread count now (the largest among the BLAS libraries loaded)."""
+    return max((info["num_threads"] for info in _controller().select(user_api="blas").info()), default=1)
+
+
 def supported(*tensors: torch.Tensor) -> bool:
-    """Whether the scipy kernels apply: CPU float32/float64 tensors of one dtype."""
-    return all(t.device.type == "cpu" and t.dtype in _SYRK and t.dtype == tensors[0].dtype for t in tensors)
+    """Whether these kernels apply: CPU float32/float64 tensors of one dtype."""
+    return all(t.device.type == "cpu" and t.dtype in _DTYPES and t.dtype == tensors[0].dtype for t in tensors)
+
+
+# --- raw routines -------------------------------------------------------------------------------------------
+
+def _capsule_api():
+    name = ctypes.pythonapi.PyCapsule_GetName
+    name.restype, name.argtypes = ctypes.c_char_p, [ctypes.py_object]
+    pointer = ctypes.pythonapi.PyCapsule_GetPointer
+    pointer.restype, pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    return name, pointer
+
+
+@cache
+def _routine(name: str):
+    """scipy's ``name`` (e.g. ``ssyrk``) as a ctypes function: every argument an address, the GIL released."""
+    get_name, get_pointer = _capsule_api()
+    module = cython_blas if name in cython_blas.__pyx_capi__ else cython_lapack
+    capsule = module.__pyx_capi__[name]
+    signature = get_name(capsule)  # b"void (char *, int *, float *, ...)": one address per argument
+    return ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * (signature.count(b",") + 1))(get_pointer(capsule, signature))
+
+
+def _call(name: str, dtype: np.dtype, *args) -> None:
+    _routine(_PREFIX[np.dtype(dtype)] + name)(*args)
+
+
+def _int(value: int):
+    return ctypes.byref(ctypes.c_int(value))
+
+
+def _real(value: float, dtype):
+    return ctypes.byref(_SCALAR[np.dtype(dtype)](value))
+
+
+def _ptr(a: np.ndarray) -> int:
+    return a.ctypes.data
+
+
+def _workspace(name: str, dtype, query) -> int:
+    """The optimal ``lwork`` of ``name``: ``query(work, lwork=-1)`` writes it into ``work[0]``."""
+    work = np.zeros(1, dtype=dtype)
+    info = ctypes.c_int(0)
+    query(work, info)
+    if info.value:
+        raise FlowgeomError(f"LAPACK ?{name} workspace query failed (info={info.value})")
+    return max(int(work[0]), 1)
 
 
 def _fortran_t(X: torch.Tensor) -> np.ndarray:
@@ -64,9 +134,17 @@ def _fortran_t(X: torch.Tensor) -> np.ndarray:
     return np.ascontiguousarray(X.detach().numpy()).T
 
 
+# --- products -----------------------------------------------------------------------------------------------
+
 def syrk_gram(X: torch.Tensor, side: str) -> torch.Tensor:
     """``X^T X`` (side "in") or ``X X^T`` ("out") of one (m, n) matrix, symmetric, in X's dtype."""
-    upper = torch.from_numpy(_SYRK[X.dtype](1.0, _fortran_t(X), trans=0 if side == "in" else 1))  # zeros below
+    a = _fortran_t(X)  # (n, m) Fortran: a a^T = X^T X, a^T a = X X^T
+    rows, cols = a.shape
+    size, inner, trans = (rows, cols, b"N") if side == "in" else (cols, rows, b"T")
+    upper = np.zeros((size, size), dtype=a.dtype, order="F")
+    _call("syrk", a.dtype, b"U", trans, _int(size), _int(inner), _real(1.0, a.dtype), _ptr(a), _int(rows),
+          _real(0.0, a.dtype), _ptr(upper), _int(size))
+    upper = torch.from_numpy(upper)  # zeros below the diagonal
     gram = upper + upper.mT  # one new buffer; the diagonal is counted twice, halved exactly below
     gram.diagonal().mul_(0.5)
     return gram
@@ -74,7 +152,107 @@ def syrk_gram(X: torch.Tensor, side: str) -> torch.Tensor:
 
 def cross_product(A: torch.Tensor, B: torch.Tensor, space: str) -> torch.Tensor:
     """``A B^T`` (space "in": contracts the input dim) or ``A^T B`` ("out") of two (m, n) matrices."""
-    at, bt = _fortran_t(A), _fortran_t(B)  # A^T (n, m), B^T (n', m')
-    if space == "in":  # A B^T = (A^T)^T (B^T)
-        return torch.from_numpy(_GEMM[A.dtype](1.0, at, bt, trans_a=1))
-    return torch.from_numpy(_GEMM[A.dtype](1.0, at, bt, trans_b=1))  # A^T B = (A^T) (B^T)^T
+    at, bt = _fortran_t(A), _fortran_t(B)  # A^T (n, m), B^T (n', m'), Fortran
+    if space == "in":  # A B^T = (A^T)^T (B^T): (m, m'), contracting n
+        m, n, inner, ta, tb = at.shape[1], bt.shape[1], at.shape[0], b"T", b"N"
+    else:  # A^T B = (A^T) (B^T)^T: (n, n'), contracting m
+        m, n, inner, ta, tb = at.shape[0], bt.shape[0], at.shape[1], b"N", b"T"
+    out = np.zeros((m, n), dtype=at.dtype, order="F")
+    _call("gemm", at.dtype, ta, tb, _int(m), _int(n), _int(inner), _real(1.0, at.dtype), _ptr(at), _int(at.shape[0]),
+          _ptr(bt), _int(bt.shape[0]), _real(0.0, at.dtype), _ptr(out), _int(m))
+    return torch.from_numpy(out)
+
+
+# --- symmetric eigenproblems --------------------------------------------------------------------------------
+
+def tridiagonal_top(g: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """All eigenvalues (ascending) and the top-k eigenpairs (descending) of one symmetric ``g`` (d d), one reduction.
+
+    ``?sytrd`` reduces ``g = Q T Q^T`` (T tridiagonal, Q as d-1 Householder
+    reflectors; blocked, BLAS-3 for half its flops); ``?sterf`` gives every
+    eigenvalue of T in O(d^2); ``?stemr`` (MRRR) the top k eigenvectors z of
+    T; ``?ormqr`` applies Q to them (y = Q z, 2 d^2 k flops). This is what
+    ``?syevr`` does for the top k alone, plus the O(d^2) ``?sterf``.
+    """
+    dt, d = g.dtype, g.shape[0]
+    c = np.array(g.T, order="F")  # overwritten by the reflectors; lower triangle = g's upper one
+    diag, off, tau = np.empty(d, dt), np.zeros(d, dt), np.empty(max(d - 1, 1), dt)  # off: d long for ?stemr
+    info = ctypes.c_int(0)
+
+    def sytrd(work, info, lwork=-1):
+        _call("sytrd", dt, b"L", _int(d), _ptr(c), _int(d), _ptr(diag), _ptr(off), _ptr(tau), _ptr(work), _int(lwork),
+              ctypes.byref(info))
+
+    lwork = _workspace("sytrd", dt, sytrd)
+    sytrd(np.empty(lwork, dt), info, lwork)
+    if info.value:
+        raise FlowgeomError(f"LAPACK ?sytrd failed (info={info.value}) on a {d}x{d} Gram; the matrix holds NaN/Inf")
+    values, scratch = diag.copy(), off[:-1].copy()  # ?sterf overwrites both
+    _call("sterf", dt, _int(d), _ptr(values), _ptr(scratch), ctypes.byref(info))
+    sterf_info = info.value
+    w, z, found, stemr_info = _stemr_top(diag, off, k)
+    if sterf_info or stemr_info or found != k:
+        raise FlowgeomError(f"LAPACK tridiagonal eigensolver failed (sterf info={sterf_info}, stemr info={stemr_info}, "
+                            f"{found} of {k} pairs) on a {d}x{d} Gram; rerun with --solver krylov")
+    y = np.empty_like(z)
+    y[0] = z[0]  # Q = diag(1, Q'), Q' = H(1)...H(d-1) stored below the subdiagonal of c
+    if d > 1:
+        y[1:] = z[1:]
+        reflectors = c[1:, :-1]  # (d-1, d-1) view, leading dimension d
+
+        def ormqr(work, info, lwork=-1):
+            _call("ormqr", dt, b"L", b"N", _int(d - 1), _int(k), _int(d - 1), _ptr(reflectors), _int(d), _ptr(tau),
+                  _ptr(y[1:]), _int(d), _ptr(work), _int(lwork), ctypes.byref(info))
+
+        lwork = _workspace("ormqr", dt, ormqr)
+        ormqr(np.empty(lwork, dt), info, lwork)
+        if info.value:
+            raise FlowgeomError(f"LAPACK ?ormqr failed (info={info.value}) on a {d}x{d} Gram")
+    return values, w[:k][::-1].copy(), y[:, ::-1].copy()
+
+
+def _stemr_top(diag: np.ndarray, off: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, int, int]:
+    """``?stemr`` (MRRR) for the top ``k`` eigenpairs of the tridiagonal (diag, off): ``(w, z (d k) F, found, info)``."""
+    dt, d = diag.dtype, diag.shape[0]
+    w, z = np.empty(d, dt), np.empty((d, k), dt, order="F")
+    isuppz, found, info = np.empty(2 * k, np.int32), ctypes.c_int(0), ctypes.c_int(0)
+
+    def stemr(work, iwork, lwork, liwork):
+        dd, ee = diag.copy(), off.copy()  # overwritten
+        _call("stemr", dt, b"V", b"I", _int(d), _ptr(dd), _ptr(ee), _real(0.0, dt), _real(1.0, dt), _int(d - k + 1),
+              _int(d), ctypes.byref(found), _ptr(w), _ptr(z), _int(d), _int(k), _ptr(isuppz),
+              ctypes.byref(ctypes.c_int(1)), _ptr(work), _int(lwork), _ptr(iwork), _int(liwork), ctypes.byref(info))
+
+    work, iwork = np.zeros(1, dt), np.zeros(1, np.int32)
+    stemr(work, iwork, -1, -1)
+    if info.value:
+        return w, z, 0, info.value
+    lwork, liwork = max(int(work[0]), 1), max(int(iwork[0]), 1)
+    stemr(np.empty(lwork, dt), np.empty(liwork, np.int32), lwork, liwork)
+    return w, z, found.value, info.value
+
+
+def syevr_top(g: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Top ``k`` eigenpairs of symmetric ``g`` (d d) by ``?syevr`` (range "I", lower triangle): ascending ``(w, y)``.
+
+    What ``scipy.linalg.eigh(g, subset_by_index=[d-k, d-1], driver="evr")`` computes.
+    """
+    dt, d = g.dtype, g.shape[0]
+    found, info = ctypes.c_int(0), ctypes.c_int(0)
+    w, y, isuppz = np.empty(d, dt), np.empty((d, k), dt, order="F"), np.empty(2 * d, np.int32)
+
+    def syevr(work, iwork, lwork, liwork):
+        a = np.array(g, order="F")  # overwritten
+        _call("syevr", dt, b"V", b"I", b"L", _int(d), _ptr(a), _int(d), _real(0.0, dt), _real(0.0, dt), _int(d - k + 1),
+              _int(d), _real(0.0, dt), ctypes.byref(found), _ptr(w), _ptr(y), _int(d), _ptr(isuppz), _ptr(work),
+              _int(lwork), _ptr(iwork), _int(liwork), ctypes.byref(info))
+
+    work, iwork = np.zeros(1, dt), np.zeros(1, np.int32)
+    syevr(work, iwork, -1, -1)
+    if not info.value:
+        lwork, liwork = max(int(work[0]), 1), max(int(iwork[0]), 1)
+        syevr(np.empty(lwork, dt), np.empty(liwork, np.int32), lwork, liwork)
+    if info.value or found.value != k:
+        raise FlowgeomError(f"LAPACK ?syevr failed (info={info.value}, {found.value} of {k} pairs) on a {d}x{d} Gram; "
+                            "the matrix holds NaN/Inf, or rerun with --solver krylov")
+    return w[:k], y

@@ -23,8 +23,8 @@ top ``k`` singular triplets ``A v_i = sigma_i u_i``, ``sigma_1 >= sigma_2 >= ...
      method's ``(1 - gap)^t``, which matters on the flat spectra of trained
      weights. The Krylov part runs in float64 (it is d x D, D = b (t+1)).
      Cost ~ t d^2 b: it wins for large d and on GPUs.
-   * ``dense``: LAPACK's partial symmetric eigensolver (``?syevr`` through
-     ``scipy.linalg.eigh(subset_by_index=...)``: Householder tridiagonal
+   * ``dense``: LAPACK's partial symmetric eigensolver (``?syevr``, what
+     ``scipy.linalg.eigh(subset_by_index=...)`` calls: Householder tridiagonal
      reduction, then MRRR for the top k eigenpairs only), in the Gram's
      dtype. Cost ~ (4/3) d^3 with BLAS-3 blocking and no iteration: on CPU
      it beats Krylov for small d (at d = 576, k = 8: 7 ms vs 25 ms).
@@ -65,9 +65,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
-import scipy.linalg
-import scipy.linalg.lapack
 import torch
 
 from flowgeom.continuity import _blas
@@ -239,13 +236,14 @@ def _exact_top(G: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 def dense_top_eigenpairs(G: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """Top ``k`` eigenpairs of symmetric ``G`` (L d d) on CPU by LAPACK ``?syevr`` (MRRR on the top k only).
 
-    Runs in ``G``'s dtype (float32 or float64). Same return convention as
+    Runs in ``G``'s dtype (float32 or float64), with the GIL released
+    (:func:`_blas.syevr_top`). Same return convention as
     :func:`krylov_top_eigenpairs` (depth 0); the residual is measured, not assumed.
     """
     d = G.shape[-1]
     thetas, vecs = [], []
     for g in G.reshape(-1, d, d).numpy():
-        w, y = scipy.linalg.eigh(g, subset_by_index=[d - k, d - 1], driver="evr", check_finite=False)
+        w, y = _blas.syevr_top(g, k)
         thetas.append(torch.from_numpy(w[::-1].copy()))
         vecs.append(torch.from_numpy(y[:, ::-1].copy()))
     theta, Y = torch.stack(thetas).to(F64), torch.stack(vecs)  # (L, k), (L, d, k)
@@ -254,49 +252,13 @@ def dense_top_eigenpairs(G: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.T
     return theta, Y.to(F64), residual, 0
 
 
-def _lapack(name: str, dtype) -> object:
-    return getattr(scipy.linalg.lapack, ("s" if dtype == np.float32 else "d") + name)
-
-
-def _tridiagonal_top(g: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """All eigenvalues (ascending) and the top-k eigenpairs (descending) of one symmetric ``g`` (d d), one reduction.
-
-    ``?sytrd`` reduces ``g = Q T Q^T`` (T tridiagonal, Q as d-1 Householder
-    reflectors; blocked, BLAS-3 for half its flops); ``?sterf`` gives every
-    eigenvalue of T in O(d^2); ``?stemr`` (MRRR) the top k eigenvectors z of
-    T; ``?ormqr`` applies Q to them (y = Q z, 2 d^2 k flops). This is what
-    ``?syevr`` does for the top k alone, plus the O(d^2) ``?sterf``.
-    """
-    d = g.shape[0]
-    lwork = int(_lapack("sytrd_lwork", g.dtype)(d, lower=1)[0])
-    c, diag, off, tau, info = _lapack("sytrd", g.dtype)(g.T, lower=1, lwork=lwork)  # g.T: Fortran order, no copy
-    if info:
-        raise FlowgeomError(f"LAPACK ?sytrd failed (info={info}) on a {d}x{d} Gram; the matrix holds NaN/Inf")
-    values, info = _lapack("sterf", g.dtype)(diag, off)
-    off_n = np.zeros(d, dtype=g.dtype)
-    off_n[:-1] = off  # ?stemr wants e of length d (and overwrites it)
-    stemr_args = (diag, off_n, 2, 0.0, 1.0, d - k + 1, d)  # range "I": eigenvalues d-k+1..d (1-based)
-    lw, liw, info = _lapack("stemr_lwork", g.dtype)(*stemr_args, compute_v=1)
-    m, w, z, info2 = _lapack("stemr", g.dtype)(*stemr_args, compute_v=1, lwork=lw, liwork=liw)
-    if info or info2 or m != k:
-        raise FlowgeomError(f"LAPACK tridiagonal eigensolver failed (sterf info={info}, stemr info={info2}, {m} of "
-                            f"{k} pairs) on a {d}x{d} Gram; rerun with --solver krylov")
-    z = np.asfortranarray(z[:, :k])
-    y = np.empty_like(z)
-    y[0] = z[0]  # Q = diag(1, Q'), Q' = H(1)...H(d-1) stored below the subdiagonal of c
-    ormqr = _lapack("ormqr", g.dtype)
-    work = int(ormqr("L", "N", c[1:, :-1], tau, z[1:], -1)[1][0].real)
-    y[1:] = ormqr("L", "N", c[1:, :-1], tau, z[1:], max(work, 1))[0]
-    return values, w[:k][::-1].copy(), y[:, ::-1].copy()
-
-
 def dense_top_eigenpairs_and_values(G: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int,
                                                                       torch.Tensor]:
     """:func:`dense_top_eigenpairs` plus every eigenvalue (L d, ascending, float64) from the same reduction."""
     d = G.shape[-1]
     vals, thetas, vecs = [], [], []
     for g in G.reshape(-1, d, d).numpy():
-        v, w, y = _tridiagonal_top(g, k)
+        v, w, y = _blas.tridiagonal_top(g, k)
         vals.append(torch.from_numpy(v))
         thetas.append(torch.from_numpy(w))
         vecs.append(torch.from_numpy(y))

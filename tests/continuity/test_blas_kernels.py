@@ -1,0 +1,153 @@
+"""The GIL-free BLAS/LAPACK kernels (continuity/_blas.py) against scipy's own wrappers: bit for bit.
+
+The kernels call the routines scipy links through its published function
+pointers; the references here go through ``scipy.linalg.blas``/``lapack``
+(f2py), the path the analyzer used before. Equality is exact, so the
+analyzer's numbers do not move with the change of calling route, and a
+second thread really runs while a kernel holds no GIL.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import scipy.linalg
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy.linalg import blas, lapack
+
+from flowgeom.continuity import _blas
+from flowgeom.errors import FlowgeomError
+
+DTYPES = (np.float32, np.float64)
+
+
+def matrix(m: int, n: int, dtype, seed: int, graded: bool = False) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((m, n))
+    if graded:  # a spread of scales: the eigensolvers' harder regime
+        a *= np.logspace(0, -6, n)
+    return a.astype(dtype)
+
+
+def symmetric(d: int, dtype, seed: int, graded: bool = False) -> np.ndarray:
+    a = matrix(d + 3, d, dtype, seed, graded)
+    g = a.T @ a
+    return ((g + g.T) / 2).astype(dtype)
+
+
+def reference_tridiagonal_top(g: np.ndarray, k: int):
+    """The f2py route (scipy.linalg.lapack): ?sytrd, ?sterf, ?stemr, ?ormqr."""
+    pre = "s" if g.dtype == np.float32 else "d"
+    fn = lambda name: getattr(lapack, pre + name)  # noqa: E731
+    d = g.shape[0]
+    lwork = int(fn("sytrd_lwork")(d, lower=1)[0])
+    c, diag, off, tau, info = fn("sytrd")(g.T, lower=1, lwork=lwork)
+    values, info = fn("sterf")(diag, off)
+    off_n = np.zeros(d, dtype=g.dtype)
+    off_n[:-1] = off
+    args = (diag, off_n, 2, 0.0, 1.0, d - k + 1, d)
+    lw, liw, info = fn("stemr_lwork")(*args, compute_v=1)
+    m, w, z, info = fn("stemr")(*args, compute_v=1, lwork=lw, liwork=liw)
+    z = np.asfortranarray(z[:, :k])
+    y = np.empty_like(z)
+    y[0] = z[0]
+    if d > 1:
+        work = int(fn("ormqr")("L", "N", c[1:, :-1], tau, z[1:], -1)[1][0].real)
+        y[1:] = fn("ormqr")("L", "N", c[1:, :-1], tau, z[1:], max(work, 1))[0]
+    return values, w[:k][::-1], y[:, ::-1]
+
+
+@settings(max_examples=25, deadline=None)
+@given(m=st.integers(1, 40), n=st.integers(1, 40), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
+def test_syrk_gram_equals_scipy_syrk(m, n, dtype, seed):
+    X = matrix(m, n, dtype, seed)
+    for side, trans in (("in", 0), ("out", 1)):
+        upper = getattr(blas, ("s" if dtype == np.float32 else "d") + "syrk")(1.0, X.T, trans=trans)
+        expected = upper + upper.T
+        np.fill_diagonal(expected, np.diag(upper))
+        got = _blas.syrk_gram(torch.from_numpy(X), side).numpy()
+        assert np.array_equal(got, expected)
+        assert np.allclose(got, X.T @ X if side == "in" else X @ X.T, rtol=1e-4, atol=1e-4)
+
+
+@settings(max_examples=25, deadline=None)
+@given(m=st.integers(1, 30), m2=st.integers(1, 30), n=st.integers(1, 30), dtype=st.sampled_from(DTYPES),
+       seed=st.integers(0, 2**16))
+def test_cross_product_equals_scipy_gemm(m, m2, n, dtype, seed):
+    gemm = getattr(blas, ("s" if dtype == np.float32 else "d") + "gemm")
+    A, B = matrix(m, n, dtype, seed), matrix(m2, n, dtype, seed + 1)
+    got = _blas.cross_product(torch.from_numpy(A), torch.from_numpy(B), "in").numpy()
+    assert np.array_equal(got, gemm(1.0, A.T, B.T, trans_a=1))
+    A, B = matrix(n, m, dtype, seed), matrix(n, m2, dtype, seed + 1)
+    got = _blas.cross_product(torch.from_numpy(A), torch.from_numpy(B), "out").numpy()
+    assert np.array_equal(got, gemm(1.0, A.T, B.T, trans_b=1))
+
+
+@settings(max_examples=30, deadline=None)
+@given(d=st.integers(2, 70), frac=st.floats(0, 1), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16),
+       graded=st.booleans())
+def test_tridiagonal_top_equals_the_f2py_route(d, frac, dtype, seed, graded):
+    k = max(1, round(frac * d))
+    g = symmetric(d, dtype, seed, graded)
+    values, w, y = _blas.tridiagonal_top(g, k)
+    ref_values, ref_w, ref_y = reference_tridiagonal_top(g, k)
+    assert np.array_equal(values, ref_values) and np.array_equal(w, ref_w) and np.array_equal(y, ref_y)
+    exact = np.linalg.eigvalsh(g.astype(np.float64))  # and right, not merely equal
+    tol = (1e-4 if dtype == np.float32 else 1e-10) * max(exact[-1], 1e-30)
+    assert np.abs(values - exact).max() <= tol
+
+
+@settings(max_examples=30, deadline=None)
+@given(d=st.integers(1, 70), frac=st.floats(0, 1), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16),
+       graded=st.booleans())
+def test_syevr_top_equals_scipy_eigh(d, frac, dtype, seed, graded):
+    k = max(1, round(frac * d))
+    g = symmetric(d, dtype, seed, graded)
+    w, y = _blas.syevr_top(g, k)
+    ref_w, ref_y = scipy.linalg.eigh(g, subset_by_index=[d - k, d - 1], driver="evr", check_finite=False)
+    assert np.array_equal(w, ref_w) and np.array_equal(y, ref_y)
+
+
+def test_smollm2_sized_gram_bit_identical():
+    """The analyzer's real size (576, k = 8) in float32, where blocked ?sytrd and workspace sizes matter."""
+    g = symmetric(576, np.float32, 3)
+    for got, ref in zip(_blas.tridiagonal_top(g, 8), reference_tridiagonal_top(g, 8)):
+        assert np.array_equal(got, ref)
+    w, y = _blas.syevr_top(g, 8)
+    ref_w, ref_y = scipy.linalg.eigh(g, subset_by_index=[568, 575], driver="evr", check_finite=False)
+    assert np.array_equal(w, ref_w) and np.array_equal(y, ref_y)
+
+
+def test_nan_gram_is_one_clear_error():
+    g = symmetric(12, np.float64, 0)
+    g[3, 4] = g[4, 3] = np.nan
+    with pytest.raises(FlowgeomError, match="LAPACK"):
+        _blas.syevr_top(g, 2)
+
+
+def test_kernels_release_the_gil():
+    """While a long ?gemm runs in one thread, a pure-Python thread keeps counting (it could not with the GIL held)."""
+    A = torch.from_numpy(matrix(1500, 1500, np.float64, 0))
+    ticks, stop = [0], threading.Event()
+
+    def count():
+        while not stop.is_set():
+            ticks[0] += 1
+
+    with _blas.cpu_threads(1):
+        _blas.cross_product(A, A, "in")  # warm up (first-call setup holds the GIL)
+        counter = threading.Thread(target=count)
+        counter.start()
+        try:
+            before = ticks[0]
+            for _ in range(3):
+                _blas.cross_product(A, A, "in")
+            during = ticks[0] - before
+        finally:
+            stop.set()
+            counter.join()
+    assert during > 1000, f"the counting thread advanced only {during} times during three 1500^3 products"
