@@ -8,7 +8,9 @@ Verbs are added by small ``add_<verb>(verbs)`` functions called from
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import threading
 from pathlib import Path
 
 from flowgeom.cli._common import add_device, add_json, apply_threads, add_seed, area, command, console, print_json, resolve_device
@@ -40,11 +42,13 @@ def _progress(enabled: bool):
 
     bar = Progress(console=Console(stderr=True), transient=True)
     tasks: dict[str, int] = {}
+    lock = threading.Lock()  # roles report from parallel worker threads
 
     def update(role: str, done: int, total: int) -> None:
-        if role not in tasks:
-            tasks[role] = bar.add_task(f"role {escape(role)}", total=total)
-        bar.update(tasks[role], completed=done)
+        with lock:
+            if role not in tasks:
+                tasks[role] = bar.add_task(f"role {escape(role)}", total=total)
+            bar.update(tasks[role], completed=done)
 
     return bar, update
 
@@ -143,7 +147,7 @@ def run_analyze(args: argparse.Namespace) -> int:
         max_layers=args.max_layers, device=str(device), dtype=args.dtype, baseline=args.baseline,
         draws=args.draws, seed=args.seed, batch=args.batch, threshold=args.threshold, solver=args.solver,
         gram=not args.no_gram, heads=args.heads, kv_heads=args.kv_heads, merge_lora=args.merge_lora,
-        lora_adapter=args.lora_adapter, spectra=args.spectra,
+        lora_adapter=args.lora_adapter, spectra=args.spectra, workers=args.threads or os.cpu_count() or 1,
     )
     bar, update = _progress(not args.json)
     if bar is not None:
@@ -210,8 +214,10 @@ def add_analyze(verbs) -> None:
                    help="random-matrix baseline: closed form (default) or Gaussian draws of the same shapes")
     p.add_argument("--draws", type=positive_int(maximum=100_000), default=8, help="Monte-Carlo draws (default 8)")
     p.add_argument("--batch", type=positive_int, default=1, help="layers stacked per batched call (default 1 = least memory)")
-    p.add_argument("--threads", type=threads_type, help="CPU threads of scipy's BLAS/LAPACK, which does the heavy products "
-                                                "(torch glue stays at 1 thread on CPU; default: all cores)")
+    p.add_argument("--threads", type=threads_type,
+                   help="CPU threads (default: all cores): roles are analysed in parallel, one BLAS thread each "
+                        "(a single role gets them all in BLAS); the report is the same for any value, memory grows "
+                        "with it")
     p.add_argument("--threshold", type=positive_float, default=3.0, help="ratio to baseline that counts as continuous (default 3)")
 
 
