@@ -18,9 +18,12 @@ weightwatcher==0.7.7 safetensors``); otherwise the script says so and exits 0.
    ``analyze()`` defaults (``alpha``, ``stable_rank``, ``entropy``), and
    whether both chose the same ``xmin``.
 3. **Speed**, end to end, as a user runs it, interleaved ``--rounds`` times,
-   1 BLAS thread each: ``flowgeom continuity analyze SOURCE --spectra --json``
-   (the CLI: process start, opening the checkpoint, dequantising, all
-   metrics) against a Python process that loads the safetensors file
+   ``--threads`` threads each (default 1; with more, weightwatcher is also
+   timed at 1 thread and the ratio is taken against its faster run):
+   ``flowgeom continuity analyze SOURCE --spectra --json`` (the CLI:
+   process start, opening the checkpoint, dequantising, all metrics;
+   ``--threads N`` analyses N roles at once) against a Python process that
+   loads the safetensors file
    into ``nn.Linear`` layers and runs ``WeightWatcher(model).analyze()``
    (weightwatcher's fastest input; it cannot read GGUF itself). Wall and
    CPU seconds (children's ``rusage``) are printed, with the load average.
@@ -190,22 +193,25 @@ def main() -> int:
         if args.no_timing:
             return 0
         flowgeom = [str(Path(sys.executable).with_name("flowgeom")), "continuity", "analyze"]
-        runs = {"flowgeom CLI on " + args.source: flowgeom + [args.source, "--spectra", "--json", "--threads", n],
-                "flowgeom CLI on the safetensors": flowgeom + [str(path), "--spectra", "--json", "--threads", n],
-                "weightwatcher, safetensors -> analyze()": [exe, "-c", WW_WORKER, str(path), str(out)]}
+        one = dict(env, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        runs = {"flowgeom CLI on " + args.source: (flowgeom + [args.source, "--spectra", "--json", "--threads", n], env),
+                "flowgeom CLI on the safetensors": (flowgeom + [str(path), "--spectra", "--json", "--threads", n], env),
+                f"weightwatcher, {n} thread(s)": ([exe, "-c", WW_WORKER, str(path), str(out)], env)}
+        if args.threads > 1:  # weightwatcher runs slower with 2 BLAS threads on 2 cores: compare with its best
+            runs["weightwatcher, 1 thread"] = ([exe, "-c", WW_WORKER, str(path), str(out)], one)
         times: dict[str, list[tuple[float, float]]] = {k: [] for k in runs}
         load_before = os.getloadavg()[0]
         for _ in range(args.rounds):  # interleaved: slow drifts of the machine load hit every row alike
-            for key, cmd in runs.items():
-                times[key].append(timed(cmd, env))
-        print(f"end to end, {n} thread(s), {args.rounds} interleaved rounds on {cpu_model()} ({os.cpu_count()} cores), "
-              f"1-min load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after "
-              "(median wall / median CPU seconds):")
-        ww_key = list(runs)[-1]
-        ww_wall = statistics.median(t[0] for t in times[ww_key])
-        ww_cpu = statistics.median(t[1] for t in times[ww_key])
-        for key, ts in times.items():
-            wall, cpu = statistics.median(t[0] for t in ts), statistics.median(t[1] for t in ts)
+            for key, (cmd, run_env) in runs.items():
+                times[key].append(timed(cmd, run_env))
+        medians = {key: (statistics.median(t[0] for t in ts), statistics.median(t[1] for t in ts))
+                   for key, ts in times.items()}
+        ww_key = min((key for key in runs if key.startswith("weightwatcher")), key=lambda key: medians[key][0])
+        ww_wall, ww_cpu = medians[ww_key]
+        print(f"end to end, flowgeom at {n} thread(s), {args.rounds} interleaved rounds on {cpu_model()} "
+              f"({os.cpu_count()} cores), 1-min load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after "
+              f"(median wall / median CPU seconds; ratios against the fastest weightwatcher row, {ww_key!r}):")
+        for key, (wall, cpu) in medians.items():
             print(f"  {key:42s} {wall:7.2f} s  {cpu:7.2f} s CPU   weightwatcher / this: {ww_wall / wall:5.2f}x wall, "
                   f"{ww_cpu / cpu:5.2f}x CPU")
     return 0

@@ -8,6 +8,7 @@ every layer of every role.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import threading
@@ -86,3 +87,16 @@ def test_cli_threads_do_not_change_the_report(tmp_path, capsys):
         reports.append(json.loads(capsys.readouterr().out))
     assert [r["config"]["workers"] for r in reports] == [1, min(2, os.cpu_count() or 1)]
     assert _without_run_details(reports[0]) == _without_run_details(reports[1])
+
+
+def test_workers_are_capped_by_free_memory_with_a_warning(monkeypatch):
+    analyze_module = importlib.import_module("flowgeom.continuity.analyze")  # the package re-exports analyze()
+
+    state = llama_state(layers=4, d=24, kv=8, hidden=40, seed=4)
+    serial = analyze(state, AnalyzeConfig(k=2))
+    window = 2 * (1 + 1) * 8 * 40 * 24  # 2 x (batch + distance) x float64 bytes (the default dtype) of 40 x 24
+    monkeypatch.setattr(analyze_module, "available_memory", lambda device: 2 * 2 * window)  # room for two workers
+    capped = analyze(state, AnalyzeConfig(k=2, workers=5))
+    assert any("analysed 2 role(s) at a time instead of 5" in w for w in capped["warnings"])
+    capped["warnings"] = serial["warnings"]
+    assert _without_run_details(capped) == _without_run_details(serial)

@@ -41,6 +41,7 @@ from flowgeom.continuity.sources import TensorSource, open_source
 from flowgeom.continuity.spectra import (SOLVERS, pairs_and_spectrum_from_gram, pairs_from_gram, small_gram, unit_scale,
                                          unscale_pairs, unscale_values)
 from flowgeom.errors import FlowgeomError, require_choices
+from flowgeom.memory import available_memory
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
 BASELINES = ("analytic", "montecarlo")
@@ -261,6 +262,28 @@ class Analyzer:
         }
 
 
+def _workers(analyzer: Analyzer, config: AnalyzeConfig) -> int:
+    """``config.workers``, at most one per role, and no more than half the free memory holds.
+
+    Each worker keeps ``batch + max(distances)`` matrices of its role plus about as many again of
+    Grams, cross products and solver workspace; a cap is reported as a warning, never silent.
+    """
+    roles = analyzer.layout.roles
+    workers = min(config.workers, len(roles))
+    if workers < 2:
+        return 1
+    itemsize = torch.empty((), dtype=analyzer.dtype).element_size()
+    window = 2 * (config.batch + max(config.distances)) * itemsize * max(
+        refs[0].shape[0] * refs[0].shape[1] for refs in roles.values())
+    fits = max(1, available_memory(analyzer.device) // 2 // max(window, 1))
+    if fits < workers:
+        analyzer.layout.warnings.append(
+            f"analysed {fits} role(s) at a time instead of {workers}: each needs ~{window / 2**20:.0f} MiB and half "
+            "the free memory holds only that many (the report does not depend on it)")
+        workers = int(fits)
+    return workers
+
+
 def _role_cost(refs: Sequence[MatrixRef]) -> int:
     """Relative work of a role, to start the largest first: per layer the Gram and the cross product
     (``3 D d^2`` flops) and the tridiagonal reduction (``4/3 d^3`` flops at about a third of the GEMM rate)."""
@@ -325,7 +348,7 @@ def analyze(source, config: AnalyzeConfig | None = None, *, custom_roles: Mappin
         return analyzer.summarise(role, analyzer.run_role(role, tick))
 
     order = list(analyzer.layout.roles)
-    workers = min(config.workers, len(order)) if analyzer.device.type == "cpu" else 1
+    workers = _workers(analyzer, config) if analyzer.device.type == "cpu" else 1
     # CPU: torch glue single-threaded; BLAS threads as the caller set them, or one per worker thread
     with _blas.cpu_threads(1 if workers > 1 else None) if analyzer.device.type == "cpu" else nullcontext():
         if workers == 1:
