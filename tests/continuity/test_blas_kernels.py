@@ -151,3 +151,16 @@ def test_kernels_release_the_gil():
             stop.set()
             counter.join()
     assert during > 1000, f"the counting thread advanced only {during} times during three 1500^3 products"
+
+
+@settings(max_examples=30, deadline=None)
+@given(L=st.integers(1, 3), m=st.integers(1, 30), n=st.integers(1, 30), p=st.integers(1, 10),
+       dtype=st.sampled_from(DTYPES), transpose_a=st.booleans(), seed=st.integers(0, 2**16))
+def test_matmul_equals_numpy(L, m, n, p, dtype, transpose_a, seed):
+    A = torch.from_numpy(np.stack([matrix(n, m, dtype, seed + i) if transpose_a else matrix(m, n, dtype, seed + i)
+                                   for i in range(L)]))
+    B = torch.from_numpy(np.stack([matrix(n, p, dtype, seed + 10 + i) for i in range(L)]))
+    got = _blas.matmul(A, B, transpose_a=transpose_a)
+    expected = (A.mT if transpose_a else A).double() @ B.double()
+    assert got.shape == (L, m, p) and got.dtype == A.dtype
+    assert torch.allclose(got.double(), expected, rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-5)

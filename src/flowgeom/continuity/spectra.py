@@ -247,7 +247,7 @@ def dense_top_eigenpairs(G: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.T
         thetas.append(torch.from_numpy(w[::-1].copy()))
         vecs.append(torch.from_numpy(y[:, ::-1].copy()))
     theta, Y = torch.stack(thetas).to(F64), torch.stack(vecs)  # (L, k), (L, d, k)
-    r = (G @ Y - Y * theta.to(G.dtype).unsqueeze(-2)).norm(dim=-2).to(F64)  # in G's dtype: ~ eps * theta_1
+    r = (_product(G, Y) - Y * theta.to(G.dtype).unsqueeze(-2)).norm(dim=-2).to(F64)  # in G's dtype: ~ eps * theta_1
     residual = (r / theta[..., :1].clamp_min(torch.finfo(F64).tiny)).amax(-1)
     return theta, Y.to(F64), residual, 0
 
@@ -263,7 +263,7 @@ def dense_top_eigenpairs_and_values(G: torch.Tensor, k: int) -> tuple[torch.Tens
         thetas.append(torch.from_numpy(w))
         vecs.append(torch.from_numpy(y))
     theta, Y = torch.stack(thetas).to(F64), torch.stack(vecs)  # (L, k), (L, d, k)
-    r = (G @ Y - Y * theta.to(G.dtype).unsqueeze(-2)).norm(dim=-2).to(F64)
+    r = (_product(G, Y) - Y * theta.to(G.dtype).unsqueeze(-2)).norm(dim=-2).to(F64)
     residual = (r / theta[..., :1].clamp_min(torch.finfo(F64).tiny)).amax(-1)
     return theta, Y.to(F64), residual, 0, torch.stack(vals).to(F64)
 
@@ -313,14 +313,21 @@ def pairs_and_spectrum_from_gram(A: torch.Tensor, G: torch.Tensor, side: str, k:
     return _pairs(A, side, theta, Y, residual, depth), values, how
 
 
+def _product(A: torch.Tensor, B: torch.Tensor, *, transpose_a: bool = False) -> torch.Tensor:
+    """``A @ B`` (``A^T @ B``) for stacks of one dtype: scipy's BLAS on CPU (:func:`_blas.matmul`), torch elsewhere."""
+    if _blas.supported(A, B):
+        return _blas.matmul(A, B, transpose_a=transpose_a)
+    return (A.mT if transpose_a else A) @ B
+
+
 def _pairs(A, side, theta, Y, residual, depth) -> SingularPairs:
     s = theta.clamp_min(0).sqrt()  # (L, k)
     inv = torch.where(s > 0, 1.0 / s.clamp_min(torch.finfo(F64).tiny), torch.zeros_like(s))
     # products in A's dtype (no float64 copy of A: memory stays ~ one matrix), then float64
     if side == "in":  # Y = V, U = A V / s
-        U, V = (A @ Y.to(A.dtype)).to(F64) * inv.unsqueeze(-2), Y
+        U, V = _product(A, Y.to(A.dtype)).to(F64) * inv.unsqueeze(-2), Y
     else:  # Y = U, V = A^T U / s
-        U, V = Y, (A.mT @ Y.to(A.dtype)).to(F64) * inv.unsqueeze(-2)
+        U, V = Y, _product(A, Y.to(A.dtype), transpose_a=True).to(F64) * inv.unsqueeze(-2)
     return SingularPairs(U, s, V, residual, depth)
 
 
