@@ -3,9 +3,9 @@
     .venv/bin/python benchmarks/continuity_flops.py [--source builtin:smollm2] [--repeats 3] [--dtype float32]
 
 The checkpoint is dequantised once into memory (loading is not compute), then
-the analysis runs on it with 1 BLAS thread (the CLI default metric set,
-``--dtype float32``; and with ``--spectra``), interleaved and repeated;
-the fastest run counts (the machine is shared).
+the analysis runs on it with 1 BLAS thread and one worker (the CLI
+default metric set, ``--dtype float32``; and with ``--spectra``),
+interleaved and repeated; the fastest run counts (the machine is shared).
 
 Flops per matrix ``(m, n)``, ``d = min(m, n)``, ``D = max(m, n)``, top ``k``
 (every term is work the metrics need, none can be skipped):
@@ -18,7 +18,8 @@ Flops per matrix ``(m, n)``, ``d = min(m, n)``, ``D = max(m, n)``, top ``k``
   (``A^T B`` or ``A B^T``, ``?gemm``): ``2 D d^2``.
 
 The bound is ``sum flops / rate`` with the **rate measured here** on the same
-shapes: ``?syrk`` for the Gram, ``?gemm`` for the rest (the reduction's flops
+shapes (each primitive timed once per round, rounds interleaved with the
+analyses, fastest of the rounds for both): ``?syrk`` for the Gram, ``?gemm`` for the rest (the reduction's flops
 are charged at the GEMM rate, which it cannot reach: half of ``?sytrd`` is
 matrix-vector work, so that term alone would be ~3-4x above its share).
 Printed: the bound, the measured compute, their ratio (target <= 1.5), and
@@ -69,39 +70,44 @@ def main() -> int:
         c[0] += len(refs)
         c[1] += len(refs) - 1
     k = args.k
+    np_dt = np.float32 if tdt == torch.float32 else np.float64
+    syrk = blas.ssyrk if np_dt == np.float32 else blas.dsyrk
+    gemm = blas.sgemm if np_dt == np.float32 else blas.dgemm
+    sytrd = lapack.ssytrd if np_dt == np.float32 else lapack.dsytrd
+    sytrd_lwork = lapack.ssytrd_lwork if np_dt == np.float32 else lapack.dsytrd_lwork
+    inputs = {}
+    for m, n in shapes:
+        d, D = min(m, n), max(m, n)
+        A = np.asfortranarray(np.random.default_rng(0).standard_normal((D, d)).astype(np_dt))
+        inputs[(m, n)] = (A, np.asfortranarray(A.T @ A), int(sytrd_lwork(d, lower=1)[0]))
+    prim_t = {shape: {"syrk": [], "gemm": [], "sytrd": []} for shape in shapes}
+    runs = {"analyze (default metrics)": AnalyzeConfig(dtype=args.dtype, k=k),
+            "analyze --spectra": AnalyzeConfig(dtype=args.dtype, k=k, spectra=True)}
+    times = {key: [] for key in runs}
     with threadpool_limits(1):
-        # measured rates on the actual shapes
-        flops = {"syrk": 0.0, "eig": 0.0, "gemm": 0.0}
-        bound, prim = 0.0, {"syrk": 0.0, "sytrd": 0.0, "gemm": 0.0}
-        for (m, n), (count, pairs) in shapes.items():
-            d, D = min(m, n), max(m, n)
-            np_dt = np.float32 if tdt == torch.float32 else np.float64
-            A = np.asfortranarray(np.random.default_rng(0).standard_normal((D, d)).astype(np_dt))
-            syrk = blas.ssyrk if np_dt == np.float32 else blas.dsyrk
-            gemm = blas.sgemm if np_dt == np.float32 else blas.dgemm
-            sytrd = lapack.ssytrd if np_dt == np.float32 else lapack.dsytrd
-            t_syrk = best(lambda: syrk(1.0, A, trans=1), args.repeats)
-            t_gemm = best(lambda: gemm(1.0, A, A, trans_a=1), args.repeats)  # D d^2 x 2 flops: the cross product
-            G = np.asfortranarray(A.T @ A)
-            lw = int((lapack.ssytrd_lwork if np_dt == np.float32 else lapack.dsytrd_lwork)(d, lower=1)[0])
-            t_sytrd = best(lambda: sytrd(G, lower=1, lwork=lw), args.repeats)
-            r_syrk, r_gemm = D * d * (d + 1) / t_syrk, 2 * D * d * d / t_gemm
-            f_syrk, f_eig, f_gemm = D * d * (d + 1), 4 / 3 * d**3, 2 * D * d * k
-            bound += count * (f_syrk / r_syrk + (f_eig + f_gemm) / r_gemm) + pairs * (2 * D * d * d) / r_gemm
-            flops["syrk"] += count * f_syrk
-            flops["eig"] += count * f_eig
-            flops["gemm"] += count * f_gemm + pairs * 2 * D * d * d
-            prim["syrk"] += count * t_syrk
-            prim["sytrd"] += count * t_sytrd
-            prim["gemm"] += pairs * t_gemm
-            print(f"shape {m}x{n} x{count}: syrk {r_syrk / 1e9:.1f} GFLOP/s, gemm {r_gemm / 1e9:.1f} GFLOP/s, "
-                  f"sytrd {f_eig / t_sytrd / 1e9:.1f} GFLOP/s")
-        runs = {"analyze (default metrics)": AnalyzeConfig(dtype=args.dtype, k=k),
-                "analyze --spectra": AnalyzeConfig(dtype=args.dtype, k=k, spectra=True)}
-        times = {key: [] for key in runs}
-        for _ in range(args.repeats):  # interleaved
+        for _ in range(args.repeats):  # primitives and analyses interleaved: a change of load hits both alike
+            for shape, (A, G, lw) in inputs.items():
+                prim_t[shape]["syrk"].append(best(lambda: syrk(1.0, A, trans=1), 1))
+                prim_t[shape]["gemm"].append(best(lambda: gemm(1.0, A, A, trans_a=1), 1))  # D d^2 x 2: a cross product
+                prim_t[shape]["sytrd"].append(best(lambda: sytrd(G, lower=1, lwork=lw), 1))
             for key, cfg in runs.items():
                 times[key].append(analyze(mats, cfg)["seconds"])
+    flops = {"syrk": 0.0, "eig": 0.0, "gemm": 0.0}
+    bound, prim = 0.0, {"syrk": 0.0, "sytrd": 0.0, "gemm": 0.0}
+    for (m, n), (count, pairs) in shapes.items():
+        d, D = min(m, n), max(m, n)
+        t_syrk, t_gemm, t_sytrd = (min(prim_t[(m, n)][key]) for key in ("syrk", "gemm", "sytrd"))
+        r_syrk, r_gemm = D * d * (d + 1) / t_syrk, 2 * D * d * d / t_gemm
+        f_syrk, f_eig, f_gemm = D * d * (d + 1), 4 / 3 * d**3, 2 * D * d * k
+        bound += count * (f_syrk / r_syrk + (f_eig + f_gemm) / r_gemm) + pairs * (2 * D * d * d) / r_gemm
+        flops["syrk"] += count * f_syrk
+        flops["eig"] += count * f_eig
+        flops["gemm"] += count * f_gemm + pairs * 2 * D * d * d
+        prim["syrk"] += count * t_syrk
+        prim["sytrd"] += count * t_sytrd
+        prim["gemm"] += pairs * t_gemm
+        print(f"shape {m}x{n} x{count}: syrk {r_syrk / 1e9:.1f} GFLOP/s, gemm {r_gemm / 1e9:.1f} GFLOP/s, "
+              f"sytrd {f_eig / t_sytrd / 1e9:.1f} GFLOP/s")
     total = sum(flops.values())
     print(f"{args.source}: {sum(c for c, _ in shapes.values())} matrices, {total / 1e9:.2f} GFLOP "
           f"(syrk {flops['syrk'] / 1e9:.2f}, eigensolver {flops['eig'] / 1e9:.2f}, gemm {flops['gemm'] / 1e9:.2f}); "

@@ -317,6 +317,14 @@ def layer_spectra_summary(spectra: list[dict]) -> dict:
     return out
 
 
+def _label(spec, src: TensorSource) -> str:
+    """The report's ``source``: the path or spec as given, else the source's label (never ``str()`` of a
+    mapping of tensors, which formats every tensor)."""
+    if isinstance(spec, (str, bytes)):
+        return str(spec)
+    return getattr(src, "label", None) or type(spec).__name__
+
+
 def analyze(source, config: AnalyzeConfig | None = None, *, custom_roles: Mapping[str, str] | None = None,
             progress: Callable[[str, int, int], None] | None = None) -> dict:
     """Analyse ``source`` (module, mapping, path, ``builtin:…``); returns the JSON-ready report.
@@ -358,7 +366,7 @@ def analyze(source, config: AnalyzeConfig | None = None, *, custom_roles: Mappin
     if analyzer.device.type == "cuda":
         torch.cuda.synchronize()
     return {
-        "source": getattr(src, "label", str(source)) if not isinstance(source, (str, bytes)) else str(source),
+        "source": _label(source, src),
         "scheme": analyzer.layout.scheme,
         "layers": max(len(refs) for refs in analyzer.layout.roles.values()),
         "config": asdict(config),
