@@ -129,7 +129,7 @@ def apply_threads(n: int | None) -> None:
     from threadpoolctl import threadpool_limits
 
     torch.set_num_threads(n)
-    threadpool_limits(limits=n, user_api="blas")  # process-wide: scipy's bundled OpenBLAS (syrk, ?syevr)
+    threadpool_limits(limits=n, user_api="blas")  # process-wide: scipy's bundled OpenBLAS (syrk, gemm, ?sytrd)
 
 
 # --- argparse types: every flag value checked where it is parsed -------------------------------------------

@@ -202,7 +202,7 @@ def add_analyze(verbs) -> None:
     p.add_argument("--dtype", default="float32", choices=("float64", "float32"),
                    help="compute dtype (default float32: on SmolLM2 its cosines match a float64 full SVD to 1e-6)")
     p.add_argument("--solver", default="auto", choices=("auto", "krylov", "dense"),
-                   help="top-k eigensolver on each small-side Gram: block Krylov, LAPACK partial ?syevr (CPU), or "
+                   help="top-k eigensolver on each small-side Gram: block Krylov, LAPACK tridiagonal + MRRR on the top k (CPU), or "
                         "auto = dense on CPU up to d=1536, else Krylov (default)")
     p.add_argument("--no-gram", action="store_true",
                    help="skip the sigma^2-Gram similarity (its exact off-side cross product is ~30%% of the CPU time "

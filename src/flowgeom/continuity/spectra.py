@@ -23,10 +23,9 @@ top ``k`` singular triplets ``A v_i = sigma_i u_i``, ``sigma_1 >= sigma_2 >= ...
      method's ``(1 - gap)^t``, which matters on the flat spectra of trained
      weights. The Krylov part runs in float64 (it is d x D, D = b (t+1)).
      Cost ~ t d^2 b: it wins for large d and on GPUs.
-   * ``dense``: LAPACK's partial symmetric eigensolver (``?syevr``, what
-     ``scipy.linalg.eigh(subset_by_index=...)`` calls: Householder tridiagonal
-     reduction, then MRRR for the top k eigenpairs only), in the Gram's
-     dtype. Cost ~ (4/3) d^3 with BLAS-3 blocking and no iteration: on CPU
+   * ``dense``: LAPACK's Householder tridiagonal reduction (``?sytrd``),
+     then MRRR (``?stemr``) for the top k eigenpairs only and ``?ormqr`` to
+     map them back (``_blas.tridiagonal_top``), in the Gram's dtype. Cost ~ (4/3) d^3 with BLAS-3 blocking and no iteration: on CPU
      it beats Krylov for small d (at d = 576, k = 8: 7 ms vs 25 ms).
    * ``auto`` (default): ``dense`` on CPU when d <= ``DENSE_MAX_DIM`` (the
      measured crossover on a 2-core EPYC is d ~ 1.5-2k), else ``krylov``.
@@ -72,7 +71,7 @@ from flowgeom.errors import FlowgeomError, choice_error
 
 F64 = torch.float64
 SOLVERS = ("auto", "krylov", "dense")
-DENSE_MAX_DIM = 1536  # CPU crossover dense ?syevr vs block Krylov (benchmarks/continuity_solvers.py)
+DENSE_MAX_DIM = 1536  # CPU crossover dense (tridiagonal) vs block Krylov (benchmarks/continuity_solvers.py)
 SAFE_EXPONENT = 30  # max|w| in [2^-30, 2^30]: float32 Grams of any practical size neither overflow nor underflow
 
 
@@ -234,18 +233,18 @@ def _exact_top(G: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dense_top_eigenpairs(G: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """Top ``k`` eigenpairs of symmetric ``G`` (L d d) on CPU by LAPACK ``?syevr`` (MRRR on the top k only).
+    """Top ``k`` eigenpairs of symmetric ``G`` (L d d) on CPU: LAPACK tridiagonal reduction, MRRR on the top k only.
 
     Runs in ``G``'s dtype (float32 or float64), with the GIL released
-    (:func:`_blas.syevr_top`). Same return convention as
+    (:func:`_blas.tridiagonal_top`). Same return convention as
     :func:`krylov_top_eigenpairs` (depth 0); the residual is measured, not assumed.
     """
     d = G.shape[-1]
     thetas, vecs = [], []
     for g in G.reshape(-1, d, d).numpy():
-        w, y = _blas.syevr_top(g, k)
-        thetas.append(torch.from_numpy(w[::-1].copy()))
-        vecs.append(torch.from_numpy(y[:, ::-1].copy()))
+        _, w, y = _blas.tridiagonal_top(g, k, all_values=False)
+        thetas.append(torch.from_numpy(w))
+        vecs.append(torch.from_numpy(y))
     theta, Y = torch.stack(thetas).to(F64), torch.stack(vecs)  # (L, k), (L, d, k)
     r = (_product(G, Y) - Y * theta.to(G.dtype).unsqueeze(-2)).norm(dim=-2).to(F64)  # in G's dtype: ~ eps * theta_1
     residual = (r / theta[..., :1].clamp_min(torch.finfo(F64).tiny)).amax(-1)
