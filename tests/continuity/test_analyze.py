@@ -169,3 +169,8 @@ def test_cli_solver_no_gram_and_threads(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:  # --threads is checked by argparse (1..os.cpu_count())
         main(["continuity", "analyze", str(path), "--threads", "0"])
     assert exc.value.code == 2
+
+
+def test_report_source_of_in_memory_weights_is_a_label_not_their_repr():
+    report = analyze(llama_state(layers=3, seed=5), AnalyzeConfig(k=2, roles=("q",)))
+    assert report["source"] == "state dict"
