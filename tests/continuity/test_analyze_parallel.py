@@ -12,6 +12,7 @@ import importlib
 import json
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -100,3 +101,41 @@ def test_workers_are_capped_by_free_memory_with_a_warning(monkeypatch):
     assert any("analysed 2 role(s) at a time instead of 5" in w for w in capped["warnings"])
     capped["warnings"] = serial["warnings"]
     assert _without_run_details(capped) == _without_run_details(serial)
+
+
+def test_an_error_stops_the_other_roles_within_a_layer():
+    """q fails at its first layer while down (slowed by its progress callback) is running: down stops at its
+    next layer instead of finishing its 12, and the roles not yet started never run."""
+    state = llama_state(layers=12, d=24, kv=8, hidden=40, seed=6)
+    state["model.layers.0.self_attn.q_proj.weight"] = torch.zeros(24, 24)
+    seen, lock = {}, threading.Lock()
+
+    def progress(role, done, total):
+        with lock:
+            seen[role] = done
+        if role == "down":
+            time.sleep(0.05)  # a slow role: 12 layers would take 0.6 s
+
+    with pytest.raises(FlowgeomError, match="q_proj.*all zeros"):
+        analyze(state, AnalyzeConfig(k=2, workers=2), progress=progress)
+    assert seen.get("down", 0) < 12
+    assert "v" not in seen  # queued last (cheapest), cancelled
+
+
+def test_ctrl_c_stops_the_other_roles_within_a_layer():
+    """A KeyboardInterrupt reaching the waiting caller (here raised by q's progress, re-raised by its future)
+    propagates as is, and the running roles stop at their next layer."""
+    seen, lock = {}, threading.Lock()
+
+    def progress(role, done, total):
+        with lock:
+            seen[role] = done
+        if role == "q":
+            raise KeyboardInterrupt
+        if role == "down":
+            time.sleep(0.05)
+
+    with pytest.raises(KeyboardInterrupt):
+        analyze(llama_state(layers=12, d=24, kv=8, hidden=40, seed=7), AnalyzeConfig(k=2, workers=2),
+                progress=progress)
+    assert seen.get("down", 0) < 12 and "v" not in seen

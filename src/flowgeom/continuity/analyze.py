@@ -24,6 +24,7 @@ mean over L-1 random pairs of |cos| has relative spread ~0.75/sqrt(L-1).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -292,17 +293,25 @@ def _role_cost(refs: Sequence[MatrixRef]) -> int:
     return len(refs) * (3 * D * d * d + 4 * d**3)
 
 
-def _parallel(fn: Callable[[str], dict], roles: Sequence[str], workers: int,
-              cost: Callable[[str], int]) -> dict[str, dict]:
+class _Stopped(Exception):
+    """A parallel role left early because the run is ending (never reaches the caller)."""
+
+
+def _parallel(fn: Callable[[str], dict], roles: Sequence[str], workers: int, cost: Callable[[str], int],
+              stop: threading.Event) -> dict[str, dict]:
     """``{role: fn(role)}`` in the order of ``roles``, computed by ``workers`` threads, costliest first.
 
-    Errors surface as serially: the first failing role in ``roles`` order raises (once the roles
-    already started are done; those not started are cancelled).
+    Errors surface as serially: the first failing role in ``roles`` order raises. On that error, or
+    on Ctrl-C while waiting, ``stop`` is set: roles not started are cancelled and running ones end
+    at their next layer (``fn`` checks ``stop``), so the run ends within a layer, not a role.
     """
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="flowgeom-analyze")
     futures = {role: pool.submit(fn, role) for role in sorted(roles, key=cost, reverse=True)}
     try:
         return {role: futures[role].result() for role in roles}
+    except BaseException:
+        stop.set()
+        raise
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
 
@@ -345,10 +354,14 @@ def analyze(source, config: AnalyzeConfig | None = None, *, custom_roles: Mappin
     analyzer = Analyzer(src, config, custom_roles, hints)
     t0 = time.perf_counter()
 
+    stop = threading.Event()  # set when the run ends early (an error, Ctrl-C): parallel roles stop at their next layer
+
     def one_role(role: str) -> dict:
         done, total = [0], len(analyzer.layout.roles[role])
 
         def tick(n: int) -> None:
+            if stop.is_set():
+                raise _Stopped(role)
             done[0] += n
             if progress:
                 progress(role, done[0], total)
@@ -362,7 +375,8 @@ def analyze(source, config: AnalyzeConfig | None = None, *, custom_roles: Mappin
         if workers == 1:
             roles = {role: one_role(role) for role in order}
         else:
-            roles = _parallel(one_role, order, workers, cost=lambda r: _role_cost(analyzer.layout.roles[r]))
+            roles = _parallel(one_role, order, workers, cost=lambda r: _role_cost(analyzer.layout.roles[r]),
+                              stop=stop)
     if analyzer.device.type == "cuda":
         torch.cuda.synchronize()
     return {
