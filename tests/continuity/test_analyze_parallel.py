@@ -11,6 +11,9 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -139,3 +142,36 @@ def test_ctrl_c_stops_the_other_roles_within_a_layer():
         analyze(llama_state(layers=12, d=24, kv=8, hidden=40, seed=7), AnalyzeConfig(k=2, workers=2),
                 progress=progress)
     assert seen.get("down", 0) < 12 and "v" not in seen
+
+
+CHILD = r"""
+import sys, time
+from flowgeom.continuity import AnalyzeConfig, analyze
+
+def progress(role, done, total):
+    print(role, done, flush=True)
+    time.sleep(0.05)  # slow layers: the interrupt lands mid-run
+
+try:
+    analyze(sys.argv[1], AnalyzeConfig(k=2, workers=2), progress=progress)
+    print("completed", flush=True)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+    sys.exit(130)
+"""
+
+
+def test_a_real_sigint_ends_a_parallel_analysis_within_a_layer(tmp_path):
+    """A child process analysing 7 roles x 12 layers with 2 workers gets SIGINT after its first layer: it ends
+    with KeyboardInterrupt after a few more layers, instead of finishing the 12 of each running role."""
+    path = tmp_path / "m.safetensors"
+    save_file(llama_state(layers=12, d=24, kv=8, hidden=40, seed=8), path)
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(path)], stdout=subprocess.PIPE, text=True,
+                             env=dict(os.environ, OMP_NUM_THREADS="1"))
+    first = child.stdout.readline()  # the first layer is done: imports are over, the pool is running
+    assert first.split() and first.split()[1] == "1", first
+    child.send_signal(signal.SIGINT)
+    out, _ = child.communicate(timeout=60)
+    assert child.returncode == 130 and "interrupted" in out and "completed" not in out
+    layers = 1 + sum(1 for line in out.splitlines() if line.split()[-1].isdigit())
+    assert layers < 12, f"{layers} layers analysed: a running role went on to its end after the interrupt"
