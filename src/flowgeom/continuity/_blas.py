@@ -149,16 +149,23 @@ def syrk_gram(X: torch.Tensor, side: str) -> torch.Tensor:
     return gram
 
 
+def _gemm(a: np.ndarray, b: np.ndarray, trans_a: bytes, trans_b: bytes, out: np.ndarray) -> None:
+    """``out = op(a) op(b)`` by ``?gemm``; ``a``, ``b``, ``out`` Fortran-ordered 2-D arrays (``.T`` views of C ones)."""
+    m, n = out.shape
+    inner = a.shape[1] if trans_a == b"N" else a.shape[0]
+    _call("gemm", a.dtype, trans_a, trans_b, _int(m), _int(n), _int(inner), _real(1.0, a.dtype), _ptr(a),
+          _int(max(a.shape[0], 1)), _ptr(b), _int(max(b.shape[0], 1)), _real(0.0, a.dtype), _ptr(out), _int(max(m, 1)))
+
+
 def cross_product(A: torch.Tensor, B: torch.Tensor, space: str) -> torch.Tensor:
     """``A B^T`` (space "in": contracts the input dim) or ``A^T B`` ("out") of two (m, n) matrices."""
     at, bt = _fortran_t(A), _fortran_t(B)  # A^T (n, m), B^T (n', m'), Fortran
     if space == "in":  # A B^T = (A^T)^T (B^T): (m, m'), contracting n
-        m, n, inner, ta, tb = at.shape[1], bt.shape[1], at.shape[0], b"T", b"N"
+        out = np.zeros((at.shape[1], bt.shape[1]), dtype=at.dtype, order="F")
+        _gemm(at, bt, b"T", b"N", out)
     else:  # A^T B = (A^T) (B^T)^T: (n, n'), contracting m
-        m, n, inner, ta, tb = at.shape[0], bt.shape[0], at.shape[1], b"N", b"T"
-    out = np.zeros((m, n), dtype=at.dtype, order="F")
-    _call("gemm", at.dtype, ta, tb, _int(m), _int(n), _int(inner), _real(1.0, at.dtype), _ptr(at), _int(at.shape[0]),
-          _ptr(bt), _int(bt.shape[0]), _real(0.0, at.dtype), _ptr(out), _int(m))
+        out = np.zeros((at.shape[0], bt.shape[0]), dtype=at.dtype, order="F")
+        _gemm(at, bt, b"N", b"T", out)
     return torch.from_numpy(out)
 
 
@@ -170,14 +177,11 @@ def matmul(A: torch.Tensor, B: torch.Tensor, *, transpose_a: bool = False) -> to
     """
     a = np.ascontiguousarray(A.detach().numpy()).reshape(-1, *A.shape[-2:])
     b = np.ascontiguousarray(B.detach().numpy()).reshape(-1, *B.shape[-2:])
-    _, rows, cols = a.shape
-    m, n = (cols, rows) if transpose_a else (rows, cols)
-    p = b.shape[-1]
-    out = np.empty((a.shape[0], m, p), dtype=a.dtype)  # C-ordered (m, p) = Fortran (p, m): C^T = B^T op(A)^T
-    for x, y, z in zip(a, b, out):  # Fortran views: y = B^T (p, n), x = A^T (cols, rows)
-        _call("gemm", a.dtype, b"N", b"T" if transpose_a else b"N", _int(p), _int(m), _int(n), _real(1.0, a.dtype),
-              _ptr(y), _int(max(p, 1)), _ptr(x), _int(max(cols, 1)), _real(0.0, a.dtype), _ptr(z), _int(max(p, 1)))
-    return torch.from_numpy(out).reshape(*A.shape[:-2], m, p)
+    m = a.shape[2] if transpose_a else a.shape[1]
+    out = np.empty((a.shape[0], m, b.shape[-1]), dtype=a.dtype)
+    for x, y, z in zip(a, b, out):  # C-ordered z = op(x) y is Fortran z^T = y^T op(x)^T
+        _gemm(y.T, x.T, b"N", b"T" if transpose_a else b"N", z.T)
+    return torch.from_numpy(out).reshape(*A.shape[:-2], m, b.shape[-1])
 
 
 # --- symmetric eigenproblems --------------------------------------------------------------------------------

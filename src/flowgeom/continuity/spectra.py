@@ -239,32 +239,28 @@ def dense_top_eigenpairs(G: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.T
     (:func:`_blas.tridiagonal_top`). Same return convention as
     :func:`krylov_top_eigenpairs` (depth 0); the residual is measured, not assumed.
     """
-    d = G.shape[-1]
-    thetas, vecs = [], []
-    for g in G.reshape(-1, d, d).numpy():
-        _, w, y = _blas.tridiagonal_top(g, k, all_values=False)
-        thetas.append(torch.from_numpy(w))
-        vecs.append(torch.from_numpy(y))
-    theta, Y = torch.stack(thetas).to(F64), torch.stack(vecs)  # (L, k), (L, d, k)
-    r = (_product(G, Y) - Y * theta.to(G.dtype).unsqueeze(-2)).norm(dim=-2).to(F64)  # in G's dtype: ~ eps * theta_1
-    residual = (r / theta[..., :1].clamp_min(torch.finfo(F64).tiny)).amax(-1)
-    return theta, Y.to(F64), residual, 0
+    return _dense_top(G, k, all_values=False)[:4]
 
 
 def dense_top_eigenpairs_and_values(G: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int,
                                                                       torch.Tensor]:
     """:func:`dense_top_eigenpairs` plus every eigenvalue (L d, ascending, float64) from the same reduction."""
+    return _dense_top(G, k, all_values=True)
+
+
+def _dense_top(G: torch.Tensor, k: int, *, all_values: bool):
     d = G.shape[-1]
     vals, thetas, vecs = [], [], []
     for g in G.reshape(-1, d, d).numpy():
-        v, w, y = _blas.tridiagonal_top(g, k)
-        vals.append(torch.from_numpy(v))
+        v, w, y = _blas.tridiagonal_top(g, k, all_values=all_values)
+        vals.append(None if v is None else torch.from_numpy(v))
         thetas.append(torch.from_numpy(w))
         vecs.append(torch.from_numpy(y))
     theta, Y = torch.stack(thetas).to(F64), torch.stack(vecs)  # (L, k), (L, d, k)
-    r = (_product(G, Y) - Y * theta.to(G.dtype).unsqueeze(-2)).norm(dim=-2).to(F64)
+    r = (_product(G, Y) - Y * theta.to(G.dtype).unsqueeze(-2)).norm(dim=-2).to(F64)  # in G's dtype: ~ eps * theta_1
     residual = (r / theta[..., :1].clamp_min(torch.finfo(F64).tiny)).amax(-1)
-    return theta, Y.to(F64), residual, 0, torch.stack(vals).to(F64)
+    values = torch.stack(vals).to(F64) if all_values else None
+    return theta, Y.to(F64), residual, 0, values
 
 
 def _use_dense(G: torch.Tensor, solver: str) -> bool:
