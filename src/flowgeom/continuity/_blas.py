@@ -5,7 +5,7 @@
 * ``cross_product``: ``A B^T`` or ``A^T B`` by ``?gemm``; ``matmul``: ``A @ B``.
 * ``tridiagonal_top``: the top-k eigenpairs of a symmetric matrix (and,
   when asked, every eigenvalue) from one ``?sytrd`` reduction (``?stemr``,
-  ``?ormqr``; ``?sterf`` for all values).
+  ``?ormtr``; ``?sterf`` for all values).
 
 **Why raw function pointers.** scipy publishes the BLAS/LAPACK it links as
 C function pointers (``scipy.linalg.cython_blas`` / ``cython_lapack``,
@@ -13,9 +13,10 @@ Fortran convention: every argument by address). Called through ``ctypes``
 they run with the GIL released, so the analyzer can work on several roles
 in parallel threads (one BLAS thread each); scipy's own f2py wrappers keep
 the GIL for the whole call. The routines and arguments are those the f2py
-wrappers pass (same ``lwork`` queries, upper triangle for ``?syrk``, lower
-for the eigensolvers), so the results are bit-identical to
-``scipy.linalg.blas``/``lapack`` (tests/continuity/test_blas_kernels.py).
+wrappers pass (same ``lwork`` queries, upper triangles), so the results are
+bit-identical to ``scipy.linalg.blas``/``lapack`` (scipy wraps no ``?ormtr``:
+the tests check that product against the reflectors applied one by one;
+tests/continuity/test_blas_kernels.py).
 
 **Why not torch for these.** While the kernels run, torch is kept
 single-threaded (:func:`cpu_threads`) because libgomp's spin-waiting workers
@@ -194,17 +195,20 @@ def tridiagonal_top(g: np.ndarray, k: int, *, all_values: bool = True
     ``?sytrd`` reduces ``g = Q T Q^T`` (T tridiagonal, Q as d-1 Householder
     reflectors; blocked, BLAS-3 for half its flops); ``?sterf`` gives every
     eigenvalue of T in O(d^2); ``?stemr`` (MRRR) the top k eigenvectors z of
-    T; ``?ormqr`` applies Q to them (y = Q z, 2 d^2 k flops). ``?syevr``
+    T; ``?ormtr`` applies Q to them (y = Q z, 2 d^2 k flops). ``?syevr``
     does the same reduction but finds a subset by bisection and inverse
     iteration (``?stebz``/``?stein``): 0.4-2 ms more per 576-wide SmolLM2 Gram here.
+    The reduction works on the upper triangle: OpenBLAS's ``?sytrd`` takes
+    15-20% less time that way than on the lower one (576-wide Grams, 1 thread,
+    benchmarks/continuity_flops.py prints both).
     """
     dt, d = g.dtype, g.shape[0]
-    c = np.array(g.T, order="F")  # overwritten by the reflectors; lower triangle = g's upper one
+    c = np.array(g.T, order="F")  # overwritten by the reflectors; upper triangle = g's lower one
     diag, off, tau = np.empty(d, dt), np.zeros(d, dt), np.empty(max(d - 1, 1), dt)  # off: d long for ?stemr
     info = ctypes.c_int(0)
 
     def sytrd(work, info, lwork=-1):
-        _call("sytrd", dt, b"L", _int(d), _ptr(c), _int(d), _ptr(diag), _ptr(off), _ptr(tau), _ptr(work), _int(lwork),
+        _call("sytrd", dt, b"U", _int(d), _ptr(c), _int(d), _ptr(diag), _ptr(off), _ptr(tau), _ptr(work), _int(lwork),
               ctypes.byref(info))
 
     lwork = _workspace("sytrd", dt, sytrd)
@@ -216,24 +220,19 @@ def tridiagonal_top(g: np.ndarray, k: int, *, all_values: bool = True
         values, scratch = diag.copy(), off[:-1].copy()  # ?sterf overwrites both
         _call("sterf", dt, _int(d), _ptr(values), _ptr(scratch), ctypes.byref(info))
         sterf_info = info.value
-    w, z, found, stemr_info = _stemr_top(diag, off, k)
+    w, y, found, stemr_info = _stemr_top(diag, off, k)
     if sterf_info or stemr_info or found != k:
         raise FlowgeomError(f"LAPACK tridiagonal eigensolver failed (sterf info={sterf_info}, stemr info={stemr_info}, "
                             f"{found} of {k} pairs) on a {d}x{d} Gram; rerun with --solver krylov")
-    y = np.empty_like(z)
-    y[0] = z[0]  # Q = diag(1, Q'), Q' = H(1)...H(d-1) stored below the subdiagonal of c
-    if d > 1:
-        y[1:] = z[1:]
-        reflectors = c[1:, :-1]  # (d-1, d-1) view, leading dimension d
 
-        def ormqr(work, info, lwork=-1):
-            _call("ormqr", dt, b"L", b"N", _int(d - 1), _int(k), _int(d - 1), _ptr(reflectors), _int(d), _ptr(tau),
-                  _ptr(y[1:]), _int(d), _ptr(work), _int(lwork), ctypes.byref(info))
+    def ormtr(work, info, lwork=-1):  # y <- Q y, in place
+        _call("ormtr", dt, b"L", b"U", b"N", _int(d), _int(k), _ptr(c), _int(d), _ptr(tau), _ptr(y), _int(d),
+              _ptr(work), _int(lwork), ctypes.byref(info))
 
-        lwork = _workspace("ormqr", dt, ormqr)
-        ormqr(np.empty(lwork, dt), info, lwork)
-        if info.value:
-            raise FlowgeomError(f"LAPACK ?ormqr failed (info={info.value}) on a {d}x{d} Gram")
+    lwork = _workspace("ormtr", dt, ormtr)
+    ormtr(np.empty(lwork, dt), info, lwork)
+    if info.value:
+        raise FlowgeomError(f"LAPACK ?ormtr failed (info={info.value}) on a {d}x{d} Gram")
     return values, w[:k][::-1].copy(), y[:, ::-1].copy()
 
 
