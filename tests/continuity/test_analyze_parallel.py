@@ -148,7 +148,8 @@ import sys, time
 from flowgeom.continuity import AnalyzeConfig, analyze
 
 def progress(role, done, total):
-    print(role, done, flush=True)
+    sys.stdout.write(f"{role} {done}\n")  # one write per line: the two workers' lines never interleave
+    sys.stdout.flush()
     time.sleep(0.05)  # slow layers: the interrupt lands mid-run
 
 try:
@@ -173,4 +174,4 @@ def test_a_real_sigint_ends_a_parallel_analysis_within_a_layer(tmp_path):
     out, _ = child.communicate(timeout=60)
     assert child.returncode == 130 and "interrupted" in out and "completed" not in out
     layers = 1 + sum(1 for line in out.splitlines() if line.split()[-1].isdigit())
-    assert layers < 12, f"{layers} layers analysed: a running role went on to its end after the interrupt"
+    assert layers < 12, f"{layers} layers analysed: a running role went on to its end after the interrupt: {out!r}"

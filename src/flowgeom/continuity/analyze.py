@@ -213,19 +213,19 @@ class Analyzer:
         refs = self.layout.roles[role]
         run, window = _RoleRun(refs), []
         keep = max(self.config.distances)
-        for start in range(0, len(refs), self.config.batch):
-            states = self._layer_states(refs[start:start + self.config.batch])
-            for st in states:
-                for d in self.config.distances:
-                    partner = next((w for w in window if w.layer == st.layer - d), None)
-                    if partner is not None:
-                        run.pairs.append(self._pair(partner, st, d))
-                run.spectra.append({"layer": st.layer, "sigma": st.pairs.S.tolist(), "gap": float(st.pairs.gap),
-                                    "residual": float(st.pairs.residual), "krylov_depth": st.pairs.iters,
-                                    **(st.spectrum or {})})
-                window = (window + [st])[-keep:]
-                if progress:
-                    progress(1)
+        with _blas.reusing_buffers():  # the layers of a role share shapes: one set of scratch arrays for all
+            for start in range(0, len(refs), self.config.batch):
+                for st in self._layer_states(refs[start:start + self.config.batch]):
+                    for d in self.config.distances:
+                        partner = next((w for w in window if w.layer == st.layer - d), None)
+                        if partner is not None:
+                            run.pairs.append(self._pair(partner, st, d))
+                    run.spectra.append({"layer": st.layer, "sigma": st.pairs.S.tolist(), "gap": float(st.pairs.gap),
+                                        "residual": float(st.pairs.residual), "krylov_depth": st.pairs.iters,
+                                        **(st.spectrum or {})})
+                    window = (window + [st])[-keep:]
+                    if progress:
+                        progress(1)
         return run
 
     def baselines(self, shape: tuple[int, int], k: int | None = None) -> tuple[dict[str, float], dict[str, float]]:
@@ -306,8 +306,8 @@ def _parallel(fn: Callable[[str], dict], roles: Sequence[str], workers: int, cos
     at their next layer (``fn`` checks ``stop``), so the run ends within a layer, not a role.
     """
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="flowgeom-analyze")
-    futures = {role: pool.submit(fn, role) for role in sorted(roles, key=cost, reverse=True)}
-    try:
+    try:  # submitting included: the first roles run (and a Ctrl-C can land) while the last are being queued
+        futures = {role: pool.submit(fn, role) for role in sorted(roles, key=cost, reverse=True)}
         return {role: futures[role].result() for role in roles}
     except BaseException:
         stop.set()
