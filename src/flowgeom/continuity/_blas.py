@@ -2,8 +2,7 @@
 
 * ``syrk_gram``: ``X^T X`` or ``X X^T`` by ``?syrk``, which computes one
   triangle: half the flops of ``X.mT @ X`` (torch has no syrk).
-* ``cross_product``: ``A B^T`` or ``A^T B`` by ``?gemm`` (``cross_product_sq``: its
-  squared Frobenius norm); ``matmul``: ``A @ B``.
+* ``cross_product``: ``A B^T`` or ``A^T B`` by ``?gemm``; ``matmul``: ``A @ B``.
 * ``tridiagonal_top``: the top-k eigenpairs of a symmetric matrix (and,
   when asked, every eigenvalue) from one ``?sytrd`` reduction (``?stemr``,
   ``?ormtr``; ``?sterf`` for all values).
@@ -35,7 +34,6 @@ products pass ``.T`` views and BLAS transposition flags: no copies.
 from __future__ import annotations
 
 import ctypes
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cache
@@ -83,44 +81,6 @@ def blas_threads() -> int:
 def supported(*tensors: torch.Tensor) -> bool:
     """Whether these kernels apply: CPU float32/float64 tensors of one dtype."""
     return all(t.device.type == "cpu" and t.dtype in _DTYPES and t.dtype == tensors[0].dtype for t in tensors)
-
-
-# --- scratch arrays -----------------------------------------------------------------------------------------
-
-_local = threading.local()  # .buffers: this thread's scratch arrays inside reusing_buffers(), else absent/None
-
-
-@contextmanager
-def reusing_buffers() -> Iterator[None]:
-    """Within, the kernels' scratch arrays are kept per thread, purpose, shape and dtype, and reused.
-
-    Scratch here means memory no result keeps: ``?syrk``'s triangle, the copy
-    ``?sytrd`` overwrites, a cross product reduced to one number, LAPACK
-    workspaces. Fresh arrays of a 576-wide Gram's size come from ``mmap`` and
-    pay ~330 page faults each on first touch (~25k per SmolLM2 analysis).
-    Everything is released when the outermost block ends.
-    """
-    before = getattr(_local, "buffers", None)
-    _local.buffers = {} if before is None else before
-    try:
-        yield
-    finally:
-        _local.buffers = before
-
-
-def _scratch(purpose: str, shape: tuple[int, ...], dtype, *, zeros: bool = False) -> np.ndarray:
-    """A Fortran-ordered array for ``purpose``: the same one each call inside :func:`reusing_buffers`, else new.
-
-    ``zeros``: zero-filled when created (a reused one keeps whatever the caller left in it).
-    """
-    pool = getattr(_local, "buffers", None)
-    key = (purpose, shape, np.dtype(dtype))
-    if pool is not None and key in pool:
-        return pool[key]
-    array = (np.zeros if zeros else np.empty)(shape, dtype=dtype, order="F")
-    if pool is not None:
-        pool[key] = array
-    return array
 
 
 # --- raw routines -------------------------------------------------------------------------------------------
@@ -181,11 +141,11 @@ def syrk_gram(X: torch.Tensor, side: str) -> torch.Tensor:
     a = _fortran_t(X)  # (n, m) Fortran: a a^T = X^T X, a^T a = X X^T
     rows, cols = a.shape
     size, inner, trans = (rows, cols, b"N") if side == "in" else (cols, rows, b"T")
-    upper = _scratch("syrk", (size, size), a.dtype, zeros=True)  # ?syrk never writes below the diagonal
+    upper = np.zeros((size, size), dtype=a.dtype, order="F")
     _call("syrk", a.dtype, b"U", trans, _int(size), _int(inner), _real(1.0, a.dtype), _ptr(a), _int(rows),
           _real(0.0, a.dtype), _ptr(upper), _int(size))
     upper = torch.from_numpy(upper)  # zeros below the diagonal
-    gram = upper + upper.mT  # the result's own buffer; the diagonal is counted twice, halved exactly below
+    gram = upper + upper.mT  # one new buffer; the diagonal is counted twice, halved exactly below
     gram.diagonal().mul_(0.5)
     return gram
 
@@ -198,24 +158,16 @@ def _gemm(a: np.ndarray, b: np.ndarray, trans_a: bytes, trans_b: bytes, out: np.
           _int(max(a.shape[0], 1)), _ptr(b), _int(max(b.shape[0], 1)), _real(0.0, a.dtype), _ptr(out), _int(max(m, 1)))
 
 
-def cross_product(A: torch.Tensor, B: torch.Tensor, space: str, *, scratch: bool = False) -> torch.Tensor:
-    """``A B^T`` (space "in": contracts the input dim) or ``A^T B`` ("out") of two (m, n) matrices.
-
-    ``scratch``: the result lives in a scratch array (:func:`_scratch`), valid until the next such call.
-    """
+def cross_product(A: torch.Tensor, B: torch.Tensor, space: str) -> torch.Tensor:
+    """``A B^T`` (space "in": contracts the input dim) or ``A^T B`` ("out") of two (m, n) matrices."""
     at, bt = _fortran_t(A), _fortran_t(B)  # A^T (n, m), B^T (n', m'), Fortran
-    shape = (at.shape[1], bt.shape[1]) if space == "in" else (at.shape[0], bt.shape[0])
-    out = _scratch("cross", shape, at.dtype) if scratch else np.empty(shape, dtype=at.dtype, order="F")
     if space == "in":  # A B^T = (A^T)^T (B^T): (m, m'), contracting n
+        out = np.zeros((at.shape[1], bt.shape[1]), dtype=at.dtype, order="F")
         _gemm(at, bt, b"T", b"N", out)
     else:  # A^T B = (A^T) (B^T)^T: (n, n'), contracting m
+        out = np.zeros((at.shape[0], bt.shape[0]), dtype=at.dtype, order="F")
         _gemm(at, bt, b"N", b"T", out)
     return torch.from_numpy(out)
-
-
-def cross_product_sq(A: torch.Tensor, B: torch.Tensor, space: str) -> torch.Tensor:
-    """``||A B^T||_F^2`` (space "in") or ``||A^T B||_F^2`` ("out"); the product itself is scratch."""
-    return torch.linalg.vector_norm(cross_product(A, B, space, scratch=True)).square()
 
 
 def matmul(A: torch.Tensor, B: torch.Tensor, *, transpose_a: bool = False) -> torch.Tensor:
@@ -251,8 +203,7 @@ def tridiagonal_top(g: np.ndarray, k: int, *, all_values: bool = True
     benchmarks/continuity_flops.py prints both).
     """
     dt, d = g.dtype, g.shape[0]
-    c = _scratch("reduce", (d, d), dt)  # overwritten by the reflectors; upper triangle = g's lower one
-    np.copyto(c, g.T)
+    c = np.array(g.T, order="F")  # overwritten by the reflectors; upper triangle = g's lower one
     diag, off, tau = np.empty(d, dt), np.zeros(d, dt), np.empty(max(d - 1, 1), dt)  # off: d long for ?stemr
     info = ctypes.c_int(0)
 
@@ -261,7 +212,7 @@ def tridiagonal_top(g: np.ndarray, k: int, *, all_values: bool = True
               ctypes.byref(info))
 
     lwork = _workspace("sytrd", dt, sytrd)
-    sytrd(_scratch("sytrd work", (lwork,), dt), info, lwork)
+    sytrd(np.empty(lwork, dt), info, lwork)
     if info.value:
         raise FlowgeomError(f"LAPACK ?sytrd failed (info={info.value}) on a {d}x{d} Gram; the matrix holds NaN/Inf")
     values, sterf_info = None, 0
@@ -279,7 +230,7 @@ def tridiagonal_top(g: np.ndarray, k: int, *, all_values: bool = True
               _ptr(work), _int(lwork), ctypes.byref(info))
 
     lwork = _workspace("ormtr", dt, ormtr)
-    ormtr(_scratch("ormtr work", (lwork,), dt), info, lwork)
+    ormtr(np.empty(lwork, dt), info, lwork)
     if info.value:
         raise FlowgeomError(f"LAPACK ?ormtr failed (info={info.value}) on a {d}x{d} Gram")
     return values, w[:k][::-1].copy(), y[:, ::-1].copy()
@@ -302,5 +253,5 @@ def _stemr_top(diag: np.ndarray, off: np.ndarray, k: int) -> tuple[np.ndarray, n
     if info.value:
         return w, z, 0, info.value
     lwork, liwork = max(int(work[0]), 1), max(int(iwork[0]), 1)
-    stemr(_scratch("stemr work", (lwork,), dt), _scratch("stemr iwork", (liwork,), np.int32), lwork, liwork)
+    stemr(np.empty(lwork, dt), np.empty(liwork, np.int32), lwork, liwork)
     return w, z, found.value, info.value

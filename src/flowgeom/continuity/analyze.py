@@ -213,19 +213,18 @@ class Analyzer:
         refs = self.layout.roles[role]
         run, window = _RoleRun(refs), []
         keep = max(self.config.distances)
-        with _blas.reusing_buffers():  # the layers of a role share shapes: one set of scratch arrays for all
-            for start in range(0, len(refs), self.config.batch):
-                for st in self._layer_states(refs[start:start + self.config.batch]):
-                    for d in self.config.distances:
-                        partner = next((w for w in window if w.layer == st.layer - d), None)
-                        if partner is not None:
-                            run.pairs.append(self._pair(partner, st, d))
-                    run.spectra.append({"layer": st.layer, "sigma": st.pairs.S.tolist(), "gap": float(st.pairs.gap),
-                                        "residual": float(st.pairs.residual), "krylov_depth": st.pairs.iters,
-                                        **(st.spectrum or {})})
-                    window = (window + [st])[-keep:]
-                    if progress:
-                        progress(1)
+        for start in range(0, len(refs), self.config.batch):
+            for st in self._layer_states(refs[start:start + self.config.batch]):
+                for d in self.config.distances:
+                    partner = next((w for w in window if w.layer == st.layer - d), None)
+                    if partner is not None:
+                        run.pairs.append(self._pair(partner, st, d))
+                run.spectra.append({"layer": st.layer, "sigma": st.pairs.S.tolist(), "gap": float(st.pairs.gap),
+                                    "residual": float(st.pairs.residual), "krylov_depth": st.pairs.iters,
+                                    **(st.spectrum or {})})
+                window = (window + [st])[-keep:]
+                if progress:
+                    progress(1)
         return run
 
     def baselines(self, shape: tuple[int, int], k: int | None = None) -> tuple[dict[str, float], dict[str, float]]:

@@ -90,7 +90,7 @@ def gram_fro(A: torch.Tensor, gram: torch.Tensor | None = None) -> torch.Tensor:
 def _cross_sq(A: torch.Tensor, B: torch.Tensor, space: str) -> torch.Tensor:
     """``||A B^T||_F^2`` (input) or ``||A^T B||_F^2`` (output), contracting over the shared side."""
     if A.ndim == 2 and B.ndim == 2 and _blas.supported(A, B):
-        return _blas.cross_product_sq(A, B, space)
+        return _blas.cross_product(A, B, space).pow(2).sum()
     return (A @ B.mT if space == "in" else A.mT @ B).pow(2).sum((-2, -1))
 
 
