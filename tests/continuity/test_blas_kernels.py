@@ -127,7 +127,7 @@ def test_top_pairs_alone_match_scipy_eigh(d, frac, dtype, seed, graded):
     assert np.all(cos[well_separated] > 1 - 1e-3)  # Davis-Kahan: vectors are defined only up to the gap
 
 
-def test_smollm2_sized_gram_bit_identical():
+def test_smollm2_sized_gram_matches_the_f2py_route():
     """The analyzer's real size (576, k = 8) in float32, where blocked ?sytrd and workspace sizes matter:
     the reduction's eigenvalues are the f2py route's bits, the vectors its reflectors' product to rounding."""
     g = symmetric(576, np.float32, 3)

@@ -198,9 +198,9 @@ def tridiagonal_top(g: np.ndarray, k: int, *, all_values: bool = True
     T; ``?ormtr`` applies Q to them (y = Q z, 2 d^2 k flops). ``?syevr``
     does the same reduction but finds a subset by bisection and inverse
     iteration (``?stebz``/``?stein``): 0.4-2 ms more per 576-wide SmolLM2 Gram here.
-    The reduction works on the upper triangle: OpenBLAS's ``?sytrd`` takes
-    15-20% less time that way than on the lower one (576-wide Grams, 1 thread,
-    benchmarks/continuity_flops.py prints both).
+    The reduction works on the upper triangle: OpenBLAS's ``?sytrd`` took
+    15-20% less time that way than on the lower one (576-wide SmolLM2 Grams,
+    1 thread, best of 30; docs/continuity.md).
     """
     dt, d = g.dtype, g.shape[0]
     c = np.array(g.T, order="F")  # overwritten by the reflectors; upper triangle = g's lower one
