@@ -1,6 +1,6 @@
 """The analyzer's compute against its own flop lower bound at this machine's measured GEMM/syrk rate.
 
-    .venv/bin/python benchmarks/continuity_flops.py [--source builtin:smollm2] [--repeats 3] [--dtype float32]
+    .venv/bin/python benchmarks/continuity_flops.py [--source builtin:smollm2] [--repeats 3] [--dtype float32] [--kernels]
 
 The checkpoint is dequantised once into memory (loading is not compute), then
 the analysis runs on it with 1 BLAS thread and one worker (the CLI
@@ -23,12 +23,17 @@ analyses, fastest of the rounds for both): ``?syrk`` for the Gram, ``?gemm`` for
 are charged at the GEMM rate, which it cannot reach: half of ``?sytrd`` is
 matrix-vector work, so that term alone would be ~3-4x above its share).
 Printed: the bound, the measured compute, their ratio (target <= 1.5), and
-the measured time of each primitive, so the gap can be attributed.
+the measured time of each primitive, so the gap can be attributed. With
+``--kernels`` one more default analysis runs with every BLAS/LAPACK call of
+``flowgeom.continuity._blas`` timed (the wrapper costs ~3%): per routine, the
+kernels' sum against the bound, and the rest of the analysis (Python and
+torch glue).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import time
 
@@ -37,7 +42,7 @@ import torch
 from scipy.linalg import blas, lapack
 from threadpoolctl import threadpool_limits
 
-from flowgeom.continuity import AnalyzeConfig, analyze, open_source
+from flowgeom.continuity import AnalyzeConfig, _blas, analyze, open_source
 from flowgeom.continuity.layouts import hints_for
 from flowgeom.continuity.naming import resolve_roles
 
@@ -57,6 +62,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="float32", choices=("float32", "float64"))
     ap.add_argument("--k", type=int, default=8)
+    ap.add_argument("--kernels", action="store_true", help="time every BLAS/LAPACK call of one more analysis")
     args = ap.parse_args()
     torch.set_num_threads(1)
     src = open_source(args.source)
@@ -120,7 +126,35 @@ def main() -> int:
         t = min(ts)
         print(f"  {key:28s} {t:.3f} s (best of {len(ts)})  / bound: {t / bound:.2f}x  / primitives: "
               f"{t / sum(prim.values()):.2f}x  / default: {t / base:.3f}")
+    if args.kernels:
+        with threadpool_limits(1):
+            total, seconds, calls = kernel_times(mats, runs["analyze (default metrics)"])
+        kernels = sum(seconds.values())
+        print("one more default analysis with every BLAS/LAPACK call timed: "
+              + ", ".join(f"?{name} {t:.3f} s ({calls[name]} calls)" for name, t in seconds.items()))
+        print(f"  analysis {total:.3f} s: kernels {kernels:.3f} s = {kernels / bound:.2f}x the bound, "
+              f"the rest (Python/torch glue) {total - kernels:.3f} s")
     return 0
+
+
+def kernel_times(mats, config: AnalyzeConfig) -> tuple[float, dict[str, float], collections.Counter]:
+    """``(analysis seconds, seconds per routine, calls per routine)`` of one analysis, every
+    ``_blas._call`` timed (workspace queries included in the counts)."""
+    seconds, calls = collections.defaultdict(float), collections.Counter()
+    plain = _blas._call
+
+    def timed(name, dtype, *args):
+        t0 = time.perf_counter()
+        plain(name, dtype, *args)
+        seconds[name] += time.perf_counter() - t0
+        calls[name] += 1
+
+    _blas._call = timed
+    try:
+        total = analyze(mats, config)["seconds"]
+    finally:
+        _blas._call = plain
+    return total, dict(sorted(seconds.items(), key=lambda kv: -kv[1])), calls
 
 
 if __name__ == "__main__":
