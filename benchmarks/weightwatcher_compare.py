@@ -27,6 +27,8 @@ weightwatcher==0.7.7 safetensors``); otherwise the script says so and exits 0.
    into ``nn.Linear`` layers and runs ``WeightWatcher(model).analyze()``
    (weightwatcher's fastest input; it cannot read GGUF itself). Wall and
    CPU seconds (children's ``rusage``) are printed, with the load average.
+   The same command without ``--spectra`` runs in the rounds too: the last
+   line is what ``--spectra`` adds to it, end to end.
 """
 
 from __future__ import annotations
@@ -194,7 +196,9 @@ def main() -> int:
             return 0
         flowgeom = [str(Path(sys.executable).with_name("flowgeom")), "continuity", "analyze"]
         one = dict(env, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        plain = "flowgeom CLI on " + args.source + ", no --spectra"
         runs = {"flowgeom CLI on " + args.source: (flowgeom + [args.source, "--spectra", "--json", "--threads", n], env),
+                plain: (flowgeom + [args.source, "--json", "--threads", n], env),
                 "flowgeom CLI on the safetensors": (flowgeom + [str(path), "--spectra", "--json", "--threads", n], env),
                 f"weightwatcher, {n} thread(s)": ([exe, "-c", WW_WORKER, str(path), str(out)], env)}
         if args.threads > 1:  # weightwatcher runs slower with 2 BLAS threads on 2 cores: compare with its best
@@ -214,6 +218,9 @@ def main() -> int:
         for key, (wall, cpu) in medians.items():
             print(f"  {key:42s} {wall:7.2f} s  {cpu:7.2f} s CPU   weightwatcher / this: {ww_wall / wall:5.2f}x wall, "
                   f"{ww_cpu / cpu:5.2f}x CPU")
+        spectra_wall, spectra_cpu = medians["flowgeom CLI on " + args.source]
+        print(f"--spectra adds {100 * (spectra_wall / medians[plain][0] - 1):+.1f}% wall, "
+              f"{100 * (spectra_cpu / medians[plain][1] - 1):+.1f}% CPU to the command (target <= 20%)")
     return 0
 
 
