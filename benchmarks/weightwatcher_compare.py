@@ -196,7 +196,7 @@ def main() -> int:
             return 0
         flowgeom = [str(Path(sys.executable).with_name("flowgeom")), "continuity", "analyze"]
         one = dict(env, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
-        plain = "flowgeom CLI on " + args.source + ", no --spectra"
+        plain = "flowgeom CLI, no --spectra"
         runs = {"flowgeom CLI on " + args.source: (flowgeom + [args.source, "--spectra", "--json", "--threads", n], env),
                 plain: (flowgeom + [args.source, "--json", "--threads", n], env),
                 "flowgeom CLI on the safetensors": (flowgeom + [str(path), "--spectra", "--json", "--threads", n], env),
