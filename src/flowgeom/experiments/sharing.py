@@ -47,7 +47,7 @@ Perplexity: :func:`flowgeom.continuity.lm_eval.perplexity` on the first
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -259,6 +259,14 @@ def _ppl(rows: Sequence[Mapping[str, Any]]) -> float:
 
 
 BROKEN = 10.0  # a compressed model with ppl above BROKEN x the reference is called broken in the verdict
+SAVINGS_TOL = 0.02  # measured savings further apart than this (fraction of the scope) are called unequal
+
+
+def _all_broken(ppls: Iterable[float], ref: float | None) -> str:
+    """A note when every perplexity compared is over :data:`BROKEN` x the reference, else ``""``."""
+    ppls = list(ppls)
+    return f" (all {len(ppls)} broken: ppl over {BROKEN:g}x the reference)" if ref is not None and min(
+        ppls) > BROKEN * ref else ""
 
 
 def per_role(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[float, dict[str, float]]]:
@@ -274,19 +282,34 @@ def per_role(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[float, dict[st
     return out
 
 
-def _judge_roles(table: Mapping[str, Mapping[float, Mapping[str, float]]]) -> tuple[list[str], list[str], list[bool]]:
+def _caveats(cells: Sequence[Mapping[str, float]], a: str, b: str, ref: float | None) -> str:
+    """Why a's win or loss against b may not mean what it says, over a role's budgets: both models broken
+    (ppl over :data:`BROKEN` x ``ref``), or the winner saved less than the loser (a cap, see the module doc)."""
+    def winner_saved_less(c: Mapping[str, float]) -> bool:
+        win, lose = (a, b) if c[a] < c[b] else (b, a)
+        return c[f"saved_{win}"] < c[f"saved_{lose}"] - SAVINGS_TOL
+
+    broken = sum(ref is not None and min(c[a], c[b]) > BROKEN * ref for c in cells)
+    cheaper = sum(map(winner_saved_less, cells))
+    out = [f"both broken at {broken} (ppl over {BROKEN:g}x the reference)"] if broken else []
+    out += [f"the winner saved less at {cheaper}"] if cheaper else []
+    return f" [{'; '.join(out)} of {len(cells)} budgets]" if out else ""
+
+
+def _judge_roles(table: Mapping[str, Mapping[float, Mapping[str, float]]],
+                 ref: float | None = None) -> tuple[list[str], list[str], list[bool]]:
     """(measured parts, notes, per seed role: the seed's space wins at every budget) of the per-role sweep.
 
     V has no seed space. "V is special" (the seed: no obvious opportunity) is read as: V gains least from
     sharing, i.e. its ratio ``ppl(per-layer SVD) / ppl(best shared space)`` is the lowest of the roles at
-    every budget.
+    every budget. With the reference perplexity ``ref``, a comparison between two broken models is flagged.
     """
     parts, notes, wins = [], [], []
     for role, by_budget in table.items():
         cells = []
         for b, c in by_budget.items():
             unequal = max(c[f"saved_{k}"] for k in ("input", "output", "svd")) - min(
-                c[f"saved_{k}"] for k in ("input", "output", "svd")) > 0.02
+                c[f"saved_{k}"] for k in ("input", "output", "svd")) > SAVINGS_TOL
             cells.append(f"{100 * b:g}%: input {c['input']:.4g}, output {c['output']:.4g}, svd {c['svd']:.4g}"
                          + (" (savings differ: " + "/".join(f"{100 * c[f'saved_{k}']:.1f}%" for k in
                                                            ("input", "output", "svd")) + ")" if unequal else ""))
@@ -297,7 +320,8 @@ def _judge_roles(table: Mapping[str, Mapping[float, Mapping[str, float]]]) -> tu
         won = [c[seed] < c["output" if seed == "input" else "input"] for c in by_budget.values()]
         wins.append(all(won))
         notes.append(f"{role}: the seed's {seed} space {'wins' if all(won) else 'loses' if not any(won) else 'mixed'}"
-                     f" ({sum(won)} of {len(won)} budgets)")
+                     f" ({sum(won)} of {len(won)} budgets)"
+                     + _caveats(list(by_budget.values()), seed, opposite(seed), ref))
     if "v" in table:
         budgets = sorted(table["v"])
         special, v_cells = [], []
@@ -308,7 +332,7 @@ def _judge_roles(table: Mapping[str, Mapping[float, Mapping[str, float]]]) -> tu
             special.append(len(gains) > 1 and gains["v"] == min(gains.values()))
             v_cells.append(f"at {100 * b:g}% {best} space wins ({v[best]:.4g} vs {v[opposite(best)]:.4g}), "
                            f"sharing vs SVD x{gains['v']:.3g} (lowest of the roles: x{min(gains.values()):.3g}, "
-                           f"highest x{max(gains.values()):.3g})")
+                           f"highest x{max(gains.values()):.3g})" + _all_broken((v["input"], v["output"], v["svd"]), ref))
         verdict_v = ("V is special, as the seed says: it gains least from sharing" if all(special) else
                      "V is not special: another role gains less from sharing" if not any(special) else
                      "V is special at some budgets only")
@@ -356,9 +380,10 @@ def judge(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         notes.append(f"V at {100 * x:g}%: " + ("sharing in neither space beats V's own per-layer SVD, as the seed "
                                                "says (no obvious opportunity)" if best >= _ppl(vs[x]) else
                                                "sharing V beats its per-layer SVD (the seed says V offers no "
-                                               "obvious opportunity)"))
+                                               "obvious opportunity)")
+                     + _all_broken((best, _ppl(vs[x])), ref[0]["ppl"] if ref else None))
     roles_table = per_role(rows)
-    role_parts, role_notes, role_wins = _judge_roles(roles_table)
+    role_parts, role_notes, role_wins = _judge_roles(roles_table, ref[0]["ppl"] if ref else None)
     if role_parts:
         parts.append("per role (ppl): " + " | ".join(role_parts))
     table = tuple({"strategy": r["strategy"], "role": r.get("role", "-"), "budget": r["budget"], "seed": r["seed"],
