@@ -339,10 +339,10 @@ def test_per_role_verdict_flags_broken_pairs_and_cheaper_winners():
     rows[1]["saved_fraction"] = 0.05  # up, input space: 5% saved against 12.5% in the output space
     rows[2]["saved_fraction"] = 0.125
     how = sharing.judge(rows)["how"]
-    assert "up: the seed's input space loses (0 of 1 budgets) [both broken at 1 (ppl over 10x the reference) " \
-           "of 1 budgets]" in how  # the output space won while saving more: no cheaper-winner flag
+    assert "up: the seed's input space loses (0 of 1 budgets) [1 of 1 budgets: both broken (ppl over 10x the " \
+           "reference)]" in how  # the output space won while saving more: no cheaper-winner flag
     assert "q: the seed's input space wins (1 of 1 budgets);" in how  # 31 and 33 are fine models
     assert "(all 3 broken: ppl over 10x the reference)" in how  # V: 2000, 1000, 9000 against 30
     rows[1]["ppl"], rows[1]["nll"] = 250.0, math.log(250.0)  # now the input space wins, having saved less
     how = sharing.judge(rows)["how"]
-    assert "up: the seed's input space wins (1 of 1 budgets) [the winner saved less at 1 of 1 budgets]" in how
+    assert "up: the seed's input space wins (1 of 1 budgets) [1 of 1 budgets: the winner saved less]" in how

@@ -291,9 +291,9 @@ def _caveats(cells: Sequence[Mapping[str, float]], a: str, b: str, ref: float | 
 
     broken = sum(ref is not None and min(c[a], c[b]) > BROKEN * ref for c in cells)
     cheaper = sum(map(winner_saved_less, cells))
-    out = [f"both broken at {broken} (ppl over {BROKEN:g}x the reference)"] if broken else []
-    out += [f"the winner saved less at {cheaper}"] if cheaper else []
-    return f" [{'; '.join(out)} of {len(cells)} budgets]" if out else ""
+    out = [f"{broken} of {len(cells)} budgets: both broken (ppl over {BROKEN:g}x the reference)"] if broken else []
+    out += [f"{cheaper} of {len(cells)} budgets: the winner saved less"] if cheaper else []
+    return f" [{'; '.join(out)}]" if out else ""
 
 
 def _judge_roles(table: Mapping[str, Mapping[float, Mapping[str, float]]],
