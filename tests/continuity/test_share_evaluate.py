@@ -484,3 +484,37 @@ def test_share_auto_space_follows_the_analyzer(tiny_folder, tmp_path, capsys):
     roles = json.loads(stdout)["roles"]
     assert roles["q"]["space"] == "input" and roles["q"]["auto"]["v1_ratio"] > roles["q"]["auto"]["u1_ratio"]
     assert roles["o"]["space"] == "output" and roles["o"]["auto"]["u1_ratio"] > roles["o"]["auto"]["v1_ratio"]
+
+
+def test_share_budget_picks_the_largest_rank_that_saves_it(tiny_folder, tmp_path, capsys):
+    from flowgeom.continuity.compress import shared_params
+
+    code, stdout, err = _run(capsys, "continuity", "share", str(tiny_folder), "--out", str(tmp_path / "b"), "--roles",
+                             "q,gate,down", "--group", "2", "--budget", "0.3", "--space", "input", "--json")
+    assert code == 0, err
+    report = json.loads(stdout)
+    assert report["budget"] == 0.3 and report["rank"] is None
+    for role, r in report["roles"].items():
+        (m, n), rank = r["shape"], r["rank"]
+        stored = sum(shared_params(m, n, len(g), rank, "input") for g in r["groups"])
+        assert r["stored_params"] == stored and math.isclose(r["saved_fraction"], 1 - stored / r["dense_params"])
+        if rank < min(m, n):  # the largest rank that fits: one more would save less than 30%
+            assert r["saved_fraction"] >= 0.3
+            bigger = sum(shared_params(m, n, len(g), rank + 1, "input") for g in r["groups"])
+            assert 1 - bigger / r["dense_params"] < 0.3, role
+    assert len({r["rank"] for r in report["roles"].values()}) > 1  # 48x48, 80x48, 48x80: ranks differ per role
+    code, stdout, _ = _run(capsys, "continuity", "share", str(tiny_folder), "--out", str(tmp_path / "t"), "--roles",
+                           "q", "--budget", "0.3", "--space", "input")
+    assert code == 0 and "budget 30% of each role" in stdout
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--budget", "1"], "must be a finite number in [0, 1)"),
+    (["--budget", "nan"], "--budget"),
+    (["--budget", "0.1", "--rank", "4"], "not allowed with argument"),
+    ([], "one of the arguments --rank --budget is required"),
+])
+def test_share_budget_bad_input_is_one_line_exit_2(tiny_folder, tmp_path, capsys, argv, message):
+    code, _, err = _run(capsys, "continuity", "share", str(tiny_folder), "--out", str(tmp_path / "o"), *argv)
+    assert code == 2 and message in err and "Traceback" not in err, err
+    assert not (tmp_path / "o").exists()

@@ -14,12 +14,13 @@ import time
 from pathlib import Path
 
 from flowgeom.cli._common import (
-    add_device, add_json, add_threads, apply_threads, bounded_int, command, comma_list, console, positive_int,
-    print_json, resolve_device,
+    add_device, add_json, add_threads, apply_threads, bounded_int, command, comma_list, console, finite_float,
+    positive_int, print_json, resolve_device,
 )
 from flowgeom.errors import FlowgeomError
 
 ROLES = ("q", "k", "v", "o", "gate", "up", "down")
+BUDGET_TOL = 0.02  # a role's saved fraction further than this from --budget is named in a note
 
 
 def _source_path(spec: str) -> Path:
@@ -76,6 +77,15 @@ def auto_spaces(state: dict, roles: tuple[str, ...], n_layers: int) -> tuple[dic
     return spaces, evidence
 
 
+def budget_ranks(state: dict, spaces: dict[str, str], n_layers: int, group: int, budget: float) -> dict[str, int]:
+    """Per role, the largest shared rank that saves ``budget`` of that role's parameters in its space."""
+    from flowgeom.continuity.compress import HF_NAMES, layer_groups, share_rank_for_budget
+
+    sizes = [len(g) for g in layer_groups(n_layers, group)]
+    return {role: share_rank_for_budget(*state[f"model.layers.0.{HF_NAMES[role]}.weight"].shape, sizes, budget, space)
+            for role, space in spaces.items()}
+
+
 def run_share(args: argparse.Namespace) -> int:
     from flowgeom.continuity.checkpoint_out import check_out_folder, save_llama_folder, write_folder
     from flowgeom.continuity.compress import check_share, share_state_dict
@@ -94,23 +104,26 @@ def run_share(args: argparse.Namespace) -> int:
         spaces, evidence = auto_spaces(state, args.roles, cfg.num_hidden_layers)
     else:
         spaces, evidence = {r: args.space for r in args.roles}, {}
+    ranks = args.rank if args.budget is None else budget_ranks(state, spaces, cfg.num_hidden_layers, args.group,
+                                                                args.budget)
     n_groups = -(-cfg.num_hidden_layers // args.group)
     bar, update = _progress(not args.json, f"share {','.join(spaces)}: {len(spaces)} roles x {n_groups} groups")
     if bar is not None:
         with bar:
             new_state, results = share_state_dict(state, spaces, n_layers=cfg.num_hidden_layers, group=args.group,
-                                                  rank=args.rank, progress=update)
+                                                  rank=ranks, progress=update)
     else:
         new_state, results = share_state_dict(state, spaces, n_layers=cfg.num_hidden_layers, group=args.group,
-                                              rank=args.rank)
+                                              rank=ranks)
     total = sum(t.numel() for k, t in state.items() if k != "lm_head.weight" or not cfg.tie_word_embeddings)
     saved = sum(r.saved for r in results)
     report = {
         "source": str(args.source), "out": str(out), "strategy": "shared-basis", "group": args.group,
-        "rank": args.rank, "space": args.space,
+        "rank": args.rank, "budget": args.budget, "space": args.space,
         "roles": {r.role: {"space": r.space, **({"auto": evidence[r.role]} if r.role in evidence else {}),
-                           "shape": list(r.shape), "groups": r.groups, "dense_params": r.dense_params,
+                           "shape": list(r.shape), "groups": r.groups, "rank": r.rank, "dense_params": r.dense_params,
                            "stored_params": r.stored_params, "saved_params": r.saved,
+                           "saved_fraction": r.saved / r.dense_params,
                            "rel_error_mean": sum(r.rel_error) / len(r.rel_error), "rel_error": r.rel_error}
                   for r in results},
         "model_params": total, "saved_params": saved, "saved_fraction": saved / total,
@@ -130,16 +143,24 @@ def _print_share(report: dict) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    table = Table(title=f"{escape(report['source'])} -> {escape(report['out'])}: groups of {report['group']}, "
-                        f"rank {report['rank']}")
-    for col in ("role", "space", "shape", "dense", "stored", "saved", "rel. error"):
+    how = (f"rank {report['rank']}" if report["budget"] is None else
+           f"budget {100 * report['budget']:g}% of each role")
+    table = Table(title=f"{escape(report['source'])} -> {escape(report['out'])}: groups of {report['group']}, {how}")
+    for col in ("role", "space", "shape", "rank", "dense", "stored", "saved", "rel. error"):
         table.add_column(col, justify="left" if col in ("role", "space") else "right")
     for role, r in report["roles"].items():
         why = f" ({r['auto']['verdict']})" if "auto" in r else ""
-        table.add_row(role, r["space"] + why, "×".join(map(str, r["shape"])), f"{r['dense_params']:,}",
-                      f"{r['stored_params']:,}", f"{r['saved_params']:,}", f"{r['rel_error_mean']:.3f}")
+        table.add_row(role, r["space"] + why, "×".join(map(str, r["shape"])), str(r["rank"]), f"{r['dense_params']:,}",
+                      f"{r['stored_params']:,}", f"{r['saved_params']:,} ({100 * r['saved_fraction']:.1f}%)",
+                      f"{r['rel_error_mean']:.3f}")
     out = console()
     out.print(table)
+    if report["budget"] is not None:
+        off = [f"{role} {100 * r['saved_fraction']:.1f}%" for role, r in report["roles"].items()
+               if abs(r["saved_fraction"] - report["budget"]) > BUDGET_TOL]
+        if off:
+            out.print(f"note: saved more or less than the budget where the rank hit its bound 1..min(m, n): "
+                      f"{', '.join(off)}")
     out.print(f"parameters saved: {report['saved_params']:,} of {report['model_params']:,} "
               f"({100 * report['saved_fraction']:.1f}%; basis + per-layer coefficients counted); "
               f"{report['seconds']:.1f} s")
@@ -234,7 +255,8 @@ def register_verbs(verbs) -> None:
     p = command(verbs, "share", help="replace each group of adjacent layers' projections by one shared rank-r basis",
                 example="flowgeom continuity share builtin:smollm2 --out runs/shared --roles q,k,gate,up "
                         "--group 2 --rank 256\n"
-                        "flowgeom continuity share model.gguf --out runs/s --roles o,down --space output --rank 192",
+                        "flowgeom continuity share model.gguf --out runs/s --roles o,down --space output --rank 192\n"
+                        "flowgeom continuity share builtin:smollm2 --out runs/q10 --roles q --budget 0.1",
                 func=run_share)
     p.add_argument("source",
                    help="Llama checkpoint: .gguf, builtin:smollm2, or an HF folder (config.json + safetensors)")
@@ -242,7 +264,11 @@ def register_verbs(verbs) -> None:
     p.add_argument("--roles", type=comma_list(ROLES, what="role"), default=("q", "k", "gate", "up", "o", "down"),
                    help="roles to share, comma-separated (default q,k,gate,up,o,down)")
     p.add_argument("--group", type=positive_int, default=2, help="adjacent layers per shared basis (default 2)")
-    p.add_argument("--rank", type=positive_int, required=True, help="rank r of each shared basis")
+    size = p.add_mutually_exclusive_group(required=True)
+    size.add_argument("--rank", type=positive_int, help="rank r of each shared basis (one rank for every role)")
+    size.add_argument("--budget", type=finite_float(0.0, 1.0, hi_open=True), metavar="FRACTION",
+                      help="instead of --rank: per role, the largest rank that saves this fraction of the role's "
+                           "parameters (bases + coefficients counted), e.g. 0.1")
     p.add_argument("--space", choices=("auto", "input", "output"), default="auto",
                    help="input: W V V^T; output: U U^T W; auto: the space the analyzer measures as continuous "
                         "per role (default)")

@@ -157,11 +157,12 @@ def _check_roles(state: Mapping[str, torch.Tensor], roles: Sequence[str], n_laye
 
 
 def check_share(state: Mapping[str, torch.Tensor], roles: Sequence[str], *, n_layers: int, group: int,
-                rank: int) -> None:
-    """Every check :func:`share_state_dict` makes, without any SVD: roles present, group and rank in range."""
+                rank: int | None) -> None:
+    """Every check :func:`share_state_dict` makes, without any SVD: roles present, group and rank in range
+    (``rank`` None: ranks come from a budget, :func:`share_rank_for_budget`, which clamps them)."""
     _check_roles(state, roles, n_layers)
     layer_groups(n_layers, group)
-    for role in roles:
+    for role in () if rank is None else roles:
         m, n = state[f"model.layers.0.{HF_NAMES[role]}.weight"].shape
         if not isinstance(rank, int) or isinstance(rank, bool) or not 1 <= rank <= min(m, n):
             raise FlowgeomError(f"--rank {rank} is above the rank bound {min(m, n)} of role {role} ({m}x{n}); pass "
