@@ -506,6 +506,10 @@ def test_share_budget_picks_the_largest_rank_that_saves_it(tiny_folder, tmp_path
     code, stdout, _ = _run(capsys, "continuity", "share", str(tiny_folder), "--out", str(tmp_path / "t"), "--roles",
                            "q", "--budget", "0.3", "--space", "input")
     assert code == 0 and "budget 30% of each role" in stdout
+    code, stdout, _ = _run(capsys, "continuity", "share", str(tiny_folder), "--out", str(tmp_path / "k"), "--roles",
+                           "k", "--budget", "0.05", "--space", "input", "--group", "4")
+    # k is 16x48: G = 1, L = 4, per rank 48 + 4*16 = 112; 0.95*3072/112 = 26 > 16, clamped to 16: saves 41.7%
+    assert code == 0 and "note: saved more or less than the budget: k 41.7% (rank at its bound 16)" in stdout
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -156,11 +156,11 @@ def _print_share(report: dict) -> None:
     out = console()
     out.print(table)
     if report["budget"] is not None:
-        off = [f"{role} {100 * r['saved_fraction']:.1f}%" for role, r in report["roles"].items()
-               if abs(r["saved_fraction"] - report["budget"]) > BUDGET_TOL]
+        off = [f"{role} {100 * r['saved_fraction']:.1f}% ("
+               + (f"rank at its bound {r['rank']}" if r["rank"] in (1, min(r["shape"])) else "coarse rank steps") + ")"
+               for role, r in report["roles"].items() if abs(r["saved_fraction"] - report["budget"]) > BUDGET_TOL]
         if off:
-            out.print(f"note: saved more or less than the budget where the rank hit its bound 1..min(m, n): "
-                      f"{', '.join(off)}")
+            out.print(f"note: saved more or less than the budget: {', '.join(off)}")
     out.print(f"parameters saved: {report['saved_params']:,} of {report['model_params']:,} "
               f"({100 * report['saved_fraction']:.1f}%; basis + per-layer coefficients counted); "
               f"{report['seconds']:.1f} s")
