@@ -391,6 +391,34 @@ def test_share_never_overwrites_its_source(tiny_folder, tmp_path, capsys):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".busy")]  # no temporary folder left behind
 
 
+@pytest.mark.parametrize("edit,message", [
+    (lambda c: c.pop("num_attention_heads"), "missing the Llama field(s) num_attention_heads"),
+    (lambda c: c.update(hidden_size="48"), "field hidden_size must be an int, got '48'"),
+    (lambda c: c.update(num_attention_heads=0), "num_attention_heads must be a positive integer, got 0"),
+    (lambda c: c.update(rms_norm_eps="tiny"), "field rms_norm_eps must be a float"),
+    (lambda c: c.update(tie_word_embeddings="yes"), "field tie_word_embeddings must be a bool"),
+    (lambda c: c.update(rope_scaling="linear"), "rope settings must be an object"),
+    (lambda c: c.update(num_key_value_heads=4), "6 query heads are not a multiple of 4"),
+])
+@pytest.mark.parametrize("command", ["evaluate", "share"])
+def test_a_broken_config_json_is_one_line_exit_2(tiny_folder, tmp_path, capsys, edit, message, command):
+    cfg = json.loads((tiny_folder / "config.json").read_text())
+    edit(cfg)
+    (tiny_folder / "config.json").write_text(json.dumps(cfg))
+    argv = (["--text", str(tmp_path / "text.txt"), "--context", "64"] if command == "evaluate"
+            else ["--out", str(tmp_path / "o"), "--rank", "2"])
+    code, out, err = _run(capsys, "continuity", command, str(tiny_folder), *argv)
+    assert code == 2 and message in err and str(tiny_folder) in err, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err and not out
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_config_json_that_is_not_an_object_is_one_line_exit_2(tiny_folder, tmp_path, capsys):
+    (tiny_folder / "config.json").write_text("[48, 6]")
+    code, _, err = _run(capsys, "continuity", "evaluate", str(tiny_folder), "--text", str(tmp_path / "text.txt"))
+    assert code == 2 and "holds a JSON list" in err and len(err.strip().splitlines()) == 1
+
+
 def test_evaluate_text_too_short_is_one_line(tiny_folder, tmp_path, capsys):
     code, _, err = _run(capsys, "continuity", "evaluate", str(tiny_folder), "--text", str(tmp_path / "text.txt"),
                         "--context", "100000")

@@ -45,6 +45,9 @@ from torch import nn
 from flowgeom.errors import FlowgeomError
 
 
+_REQUIRED_HF = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
 @dataclass(frozen=True)
 class LlamaConfig:
     vocab_size: int = 49152  # token ids
@@ -75,24 +78,48 @@ class LlamaConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict) -> LlamaConfig:
-        """From an HF ``config.json`` dict (model_type llama; unknown keys ignored, rope scaling refused)."""
+        """From an HF ``config.json`` dict (model_type llama; unknown keys ignored, rope scaling refused).
+
+        The shape fields are required: a missing one is refused, never filled from SmolLM2's defaults.
+        """
+        if not isinstance(cfg, dict):
+            raise FlowgeomError(f"config.json holds a JSON {type(cfg).__name__}, not an object of Llama fields; "
+                                "re-export it")
+        missing = [name for name in _REQUIRED_HF if cfg.get(name) is None]
+        if missing:
+            raise FlowgeomError(f"config.json is missing the Llama field(s) {', '.join(missing)}; re-export it "
+                                "(every HF Llama config.json has them)")
+        for f in fields(cls):  # wrong JSON types name the field, before any arithmetic on them
+            value = cfg.get(f.name)
+            if value is None:
+                continue
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if (f.type == "int" and not (number and float(value).is_integer())) or (f.type == "float" and not number) \
+                    or (f.type == "bool" and not isinstance(value, bool)):
+                raise FlowgeomError(f"config.json field {f.name} must be {'an' if f.type == 'int' else 'a'} "
+                                    f"{f.type}, got {value!r}; fix config.json")
         if cfg.get("model_type", "llama") != "llama":
             raise FlowgeomError(f"config.json says model_type {cfg.get('model_type')!r}; only llama is supported")
         scaling = cfg.get("rope_scaling") or (cfg.get("rope_parameters") or {})
+        if not isinstance(scaling, dict):
+            raise FlowgeomError(f"config.json rope settings must be an object, got {scaling!r}; fix config.json")
         if scaling.get("rope_type", scaling.get("type", "default")) not in ("default", None):
             raise FlowgeomError(f"rope scaling {scaling} is not supported; only plain RoPE")
         theta = cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))
         if cfg.get("attention_bias") or cfg.get("mlp_bias"):
             raise FlowgeomError("config.json asks for attention/MLP biases; this Llama forward has none")
-        known = {f.name for f in fields(cls)}
-        kwargs = {k: v for k, v in cfg.items() if k in known and v is not None}
+        types = {f.name: f.type for f in fields(cls)}
+        kwargs = {k: int(v) if types[k] == "int" else v for k, v in cfg.items() if k in types and v is not None}
         kwargs["rope_theta"] = float(theta)
-        kwargs.setdefault("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
-        kwargs.setdefault("num_key_value_heads", cfg["num_attention_heads"])
+        if kwargs["num_attention_heads"] < 1:
+            raise FlowgeomError(f"config.json num_attention_heads must be a positive integer, got "
+                                f"{kwargs['num_attention_heads']!r}; fix config.json")
+        kwargs.setdefault("head_dim", kwargs["hidden_size"] // kwargs["num_attention_heads"])
+        kwargs.setdefault("num_key_value_heads", kwargs["num_attention_heads"])
         try:
             return cls(**kwargs)
         except TypeError as exc:
-            raise FlowgeomError(f"config.json is missing Llama fields ({exc}); re-export it") from None
+            raise FlowgeomError(f"config.json has Llama fields this forward cannot use ({exc}); re-export it") from None
 
     def to_hf(self) -> dict:
         """An HF ``config.json`` dict that ``transformers.LlamaConfig`` reads back as this model."""
@@ -308,10 +335,14 @@ def hf_state_dict(folder: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tens
 
     folder = Path(folder)
     try:
-        cfg = LlamaConfig.from_hf(json.loads((folder / "config.json").read_text()))
-    except (OSError, ValueError) as exc:
+        raw = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as exc:  # missing, unreadable, not UTF-8, not JSON
         raise FlowgeomError(f"{folder} has no readable config.json ({type(exc).__name__}); an HF Llama folder "
                             "needs config.json next to its safetensors") from None
+    try:
+        cfg = LlamaConfig.from_hf(raw)
+    except FlowgeomError as exc:
+        raise FlowgeomError(f"{folder}: {exc}") from None
     src = open_source(folder)
     return cfg, {name: src.load(name).float() for name in src.shapes}
 
