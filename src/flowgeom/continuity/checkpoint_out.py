@@ -6,11 +6,21 @@ delete it); an existing non-empty ``out`` needs ``force``. :func:`write_folder`
 fills a hidden temporary sibling folder and renames it into place, so a
 reader sees the old folder or the complete new one; with ``force`` the old
 folder is moved aside first and deleted only after the rename succeeded.
+
+A writer killed outright (SIGKILL, power loss) cannot clean up: its
+temporary folder, a full checkpoint's worth of bytes, would stay beside
+``out`` for ever. The folder names carry the writer's pid
+(``.OUT.wPID.XXXX.tmp``, and ``.OUT.wPID.XXXX.old`` for a replaced folder),
+so the next :func:`write_folder` for the same ``out`` removes the leftovers of
+writers that are no longer running, and puts a moved-aside folder back when
+its writer died before the new one took its place.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -39,11 +49,39 @@ def check_out_folder(source: Path, out: Path, *, force: bool) -> None:
         raise FlowgeomError(f"--out {out} exists and is not empty; pass --force to replace it, or pick a new folder")
 
 
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def sweep_dead_writers(out: Path) -> list[Path]:
+    """Remove the temporary folders that killed writers of ``out`` left beside it (module docstring);
+    a moved-aside previous ``out`` goes back in place if ``out`` is missing. Returns what was removed."""
+    pattern = re.compile(rf"\.{re.escape(out.name)}\.w(\d+)\.[a-z0-9_]+\.(tmp|old)")  # mkdtemp's letters
+    removed = []
+    for path in sorted(out.parent.iterdir()) if out.parent.is_dir() else ():
+        match = pattern.fullmatch(path.name)
+        if not match or not path.is_dir() or int(match[1]) == os.getpid() or _running(int(match[1])):
+            continue
+        if match[2] == "old" and not out.exists():
+            path.rename(out)  # its writer died between moving the old folder aside and renaming the new one in
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
 def write_folder(out: Path, fill: Callable[[Path], None], *, force: bool) -> None:
     """Call ``fill(tmp)`` on a fresh temporary folder next to ``out``, then rename it to ``out``."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
+    sweep_dead_writers(out)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.w{os.getpid()}.", suffix=".tmp"))
     old = None
     try:
         fill(tmp)
@@ -51,7 +89,7 @@ def write_folder(out: Path, fill: Callable[[Path], None], *, force: bool) -> Non
         if out.exists():
             if any(out.iterdir()) and not force:  # appeared meanwhile
                 raise FlowgeomError(f"--out {out} became non-empty while writing; pass --force or pick another folder")
-            old = out.parent / f".{out.name}.old-{tmp.name}"
+            old = tmp.with_suffix(".old")
             out.rename(old)
         tmp.rename(out)
     except BaseException:
