@@ -339,6 +339,33 @@ def test_share_full_rank_round_trip_and_evaluate(tiny_folder, tmp_path, capsys):
     assert rows[1]["saved_params"] == report["saved_params"]
 
 
+def test_share_a_sharded_bf16_save_pretrained_folder_without_tokenizer(tmp_path, capsys, monkeypatch):
+    """What users have: transformers' own ``save_pretrained`` (index + shards, bfloat16, untied head, no
+    tokenizer). Sharing works and says that no tokenizer was written; at full rank the model is unchanged."""
+    monkeypatch.setenv("FLOWGEOM_CACHE", str(tmp_path / "cache"))
+    src, out = tmp_path / "hf", tmp_path / "shared"
+    hf_tiny(tie=False).to(torch.bfloat16).save_pretrained(str(src), max_shard_size="100KB")
+    assert len(list(src.glob("*.safetensors"))) > 1 and (src / "model.safetensors.index.json").is_file()
+    code, stdout, err = _run(capsys, "continuity", "share", str(src), "--out", str(out), "--roles", "q,down",
+                             "--rank", "48", "--space", "output")  # q and down have 48 outputs: rank 48 spans them
+    assert code == 0, err
+    assert "no tokenizer.json" in stdout and not (out / "tokenizer.json").exists()
+    assert json.loads((out / "flowgeom_share.json").read_text())["tokenizer"] is None
+    _byte_tokenizer().save(str(src / "tokenizer.json"))  # the reference's tokenizer scores both
+    (tmp_path / "text.txt").write_text("In the beginning was the Word, and the Word was with God. " * 12)
+    code, stdout, err = _run(capsys, "continuity", "evaluate", str(src), "--compare", str(out), "--text",
+                             str(tmp_path / "text.txt"), "--context", "64", "--json")
+    assert code == 0, err
+    ref, shared = json.loads(stdout)["models"]
+    assert ref["targets"] == shared["targets"] > 500 and math.isfinite(ref["ppl"])
+    assert math.isclose(ref["ppl"], shared["ppl"], rel_tol=1e-4)  # rank 48 of 48: nothing lost but rounding
+    back = transformers.LlamaForCausalLM.from_pretrained(str(out)).eval()  # untied head written as its own tensor
+    ids = torch.tensor([[5, 9, 200, 17, 3]])
+    with torch.no_grad():
+        want = transformers.LlamaForCausalLM.from_pretrained(str(src), torch_dtype=torch.float32).eval()(ids).logits
+        assert (back(ids).logits - want).abs().max() < 1e-4
+
+
 def test_share_at_low_rank_changes_perplexity(tiny_folder, tmp_path, capsys):
     out = tmp_path / "low"
     assert _run(capsys, "continuity", "share", str(tiny_folder), "--out", str(out), "--roles", "q,k,gate,up",

@@ -99,7 +99,9 @@ def run_share(args: argparse.Namespace) -> int:
     check_out_folder(source, out, force=args.force)  # before any work
     cfg, state = llama_state_dict(source)
     check_share(state, args.roles, n_layers=cfg.num_hidden_layers, group=args.group, rank=args.rank)  # before any SVD
-    tokenizer = load_tokenizer(source)
+    # sharing needs no tokenizer: an HF folder saved without one gives a folder without one (said in the report)
+    untokenized = source.is_dir() and not (source / "tokenizer.json").exists() and not any(source.glob("*.gguf"))
+    tokenizer = None if untokenized else load_tokenizer(source)
     if args.space == "auto":
         spaces, evidence = auto_spaces(state, args.roles, cfg.num_hidden_layers)
     else:
@@ -128,6 +130,7 @@ def run_share(args: argparse.Namespace) -> int:
                   for r in results},
         "model_params": total, "saved_params": saved, "saved_fraction": saved / total,
         "params_after": total - saved,
+        "tokenizer": None if tokenizer is None else "tokenizer.json",
     }
     write_folder(out, lambda tmp: save_llama_folder(tmp, cfg.to_hf(), new_state, tokenizer=tokenizer, report=report),
                  force=args.force)
@@ -161,6 +164,9 @@ def _print_share(report: dict) -> None:
                for role, r in report["roles"].items() if abs(r["saved_fraction"] - report["budget"]) > BUDGET_TOL]
         if off:
             out.print(f"note: saved more or less than the budget: {', '.join(off)}")
+    if report["tokenizer"] is None:
+        out.print("note: the source has no tokenizer.json, so none was written; evaluate the result with "
+                  "--compare next to a reference model that has one")
     out.print(f"parameters saved: {report['saved_params']:,} of {report['model_params']:,} "
               f"({100 * report['saved_fraction']:.1f}%; basis + per-layer coefficients counted); "
               f"{report['seconds']:.1f} s")
