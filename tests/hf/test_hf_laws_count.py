@@ -190,6 +190,9 @@ def test_cli_json_shows_config_and_precision(capsys):
     (["hf:llama:attention", "--config", "num_attention_heads=two"], "expected an integer"),
     (["hf:llama:attention", "--config", "attn_implementation=sdpa"], "eager"),
     (["hf:llama:attention", "--config", "num_attention_heads=3"], "change the --config values"),
+    (["hf:llama:attention", "--config", "num_key_value_heads=5"], "2 query heads are not a multiple of 5 key/value"),
+    (["hf:mixtral:block", "--config", "num_key_value_heads=3"], "pick num_key_value_heads among [1, 2]"),
+    (["hf:llama:attention", "--config", "num_key_value_heads=0"], "change the --config values"),
     (["mha", "--config", "heads=2"], "only applies to hf:"),
     (["hf:llama:attention", "--config", "vocab_size=3000000"], "a tiny model for counting may have"),
 ])

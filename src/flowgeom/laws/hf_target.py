@@ -204,6 +204,16 @@ def config_overrides(model_type: str, items: list[str] | None) -> dict[str, Any]
     return out
 
 
+def _check_heads(model_type: str, config: Any) -> None:
+    """Head counts that transformers accepts but that fail later in the forward as a bare shape error."""
+    from flowgeom.hf.families import attention_heads
+
+    heads, kv, _ = attention_heads(config, _family(model_type))
+    if heads % kv:
+        raise FlowgeomError(f"--config: {heads} query heads are not a multiple of {kv} key/value heads; pick "
+                            f"num_key_value_heads among {[d for d in range(1, heads + 1) if heads % d == 0]}")
+
+
 def _layer_parts(model: nn.Module, model_type: str) -> tuple[nn.Module, str, tuple[str, ...], nn.Module | None]:
     """(layer 0, its attention child's name, its MLP/MoE children's names, the model's rotary module or None).
 
@@ -372,6 +382,7 @@ def build(model_type: str, part: str, *, overrides: dict[str, Any] | None = None
     try:
         _check_size(model_type, kwargs)
         model = tiny_model(model_type, seed=seed, dtype=torch.float64, **kwargs)
+        _check_heads(model_type, model.config)
     except FlowgeomError:
         raise
     except Exception as exc:  # transformers rejects the combination (e.g. heads not dividing hidden)
