@@ -306,6 +306,14 @@ def test_peft_lora_in_memory_and_on_disk(tmp_path, capsys):
     assert "adapter_config.json" in err and err.count("\n") == 1
 
 
+def test_an_adapter_folder_alone_says_where_the_base_weights_go(tmp_path, capsys):
+    _, pm = _peft_llama()
+    pm.save_pretrained(tmp_path)  # adapter_model.safetensors + adapter_config.json, no base weights
+    assert main(["continuity", "analyze", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "only PEFT LoRA factors" in err and "--merge-lora" in err and err.count("\n") == 1
+
+
 def test_rslora_scale_matches_peft(tmp_path):
     model, pm = _peft_llama(rslora=True)
     pm.save_pretrained(tmp_path)

@@ -426,6 +426,11 @@ def resolve_roles(shapes: Mapping[str, tuple[int, ...]], *, custom: Mapping[str,
         scheme = max(matches, key=lambda s: len(_claimed(matches[s])))
         found, refused = matches[scheme]
         others = {s: _claimed(m) for s, m in matches.items() if s != scheme}
+    if not found and lora_names and not plain:
+        raise FlowgeomError(
+            f"these {len(lora_names)} tensors are only PEFT LoRA factors (lora_A/lora_B, e.g. {lora_names[0]}), "
+            "no base weights: analyse the base model, or put adapter_model.safetensors and adapter_config.json "
+            "in the base model's folder and pass --merge-lora to analyse W + s·B·A")
     if not found:
         why = "; ".join(f"{n}: {r}" for n, r in list(refused.items())[:3])
         raise FlowgeomError(
