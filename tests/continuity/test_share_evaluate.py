@@ -424,7 +424,9 @@ def test_share_never_overwrites_its_source(tiny_folder, tmp_path, capsys):
     (lambda c: c.update(num_attention_heads=0), "num_attention_heads must be a positive integer, got 0"),
     (lambda c: c.update(rms_norm_eps="tiny"), "field rms_norm_eps must be a float"),
     (lambda c: c.update(tie_word_embeddings="yes"), "field tie_word_embeddings must be a bool"),
-    (lambda c: c.update(rope_scaling="linear"), "rope settings must be an object"),
+    (lambda c: c.update(rope_scaling="linear"), "rope_scaling must be an object"),
+    (lambda c: c.update(rope_parameters=[1]), "rope_parameters must be an object"),
+    (lambda c: c.update(rope_theta=None, rope_parameters={"rope_theta": "1e4"}), "rope_theta must be a number"),
     (lambda c: c.update(num_key_value_heads=4), "6 query heads are not a multiple of 4"),
 ])
 @pytest.mark.parametrize("command", ["evaluate", "share"])
@@ -438,6 +440,14 @@ def test_a_broken_config_json_is_one_line_exit_2(tiny_folder, tmp_path, capsys, 
     assert code == 2 and message in err and str(tiny_folder) in err, err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err and not out
     assert not (tmp_path / "o").exists()
+
+
+def test_rope_theta_is_read_from_rope_parameters_when_the_top_level_key_is_null():
+    base = LlamaConfig().to_hf()
+    moved = {**base, "rope_theta": None, "rope_parameters": {"rope_type": "default", "rope_theta": 12345.0}}
+    assert LlamaConfig.from_hf(moved).rope_theta == 12345.0  # transformers 5 layout
+    assert LlamaConfig.from_hf({**base, "rope_theta": 500.0}).rope_theta == 500.0
+    assert LlamaConfig.from_hf({k: v for k, v in base.items() if k != "rope_theta"}).rope_theta == 10000.0  # HF default
 
 
 def test_a_config_json_that_is_not_an_object_is_one_line_exit_2(tiny_folder, tmp_path, capsys):

@@ -100,21 +100,23 @@ class LlamaConfig:
                                     f"{f.type}, got {value!r}; fix config.json")
         if cfg.get("model_type", "llama") != "llama":
             raise FlowgeomError(f"config.json says model_type {cfg.get('model_type')!r}; only llama is supported")
-        scaling = cfg.get("rope_scaling") or (cfg.get("rope_parameters") or {})
-        if not isinstance(scaling, dict):
-            raise FlowgeomError(f"config.json rope settings must be an object, got {scaling!r}; fix config.json")
+        for key in ("rope_scaling", "rope_parameters"):  # transformers 5 moved rope_theta into rope_parameters
+            if not isinstance(cfg.get(key) or {}, dict):
+                raise FlowgeomError(f"config.json {key} must be an object, got {cfg[key]!r}; fix config.json")
+        rope = cfg.get("rope_parameters") or {}
+        scaling = cfg.get("rope_scaling") or rope
         if scaling.get("rope_type", scaling.get("type", "default")) not in ("default", None):
             raise FlowgeomError(f"rope scaling {scaling} is not supported; only plain RoPE")
-        theta = cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+        theta = cfg["rope_theta"] if cfg.get("rope_theta") is not None else rope.get("rope_theta", 10000.0)
         if cfg.get("attention_bias") or cfg.get("mlp_bias"):
             raise FlowgeomError("config.json asks for attention/MLP biases; this Llama forward has none")
         types = {f.name: f.type for f in fields(cls)}
         kwargs = {k: int(v) if types[k] == "int" else v for k, v in cfg.items() if k in types and v is not None}
+        if not isinstance(theta, (int, float)) or isinstance(theta, bool):
+            raise FlowgeomError(f"config.json rope_theta must be a number, got {theta!r}; fix config.json")
         kwargs["rope_theta"] = float(theta)
-        if kwargs["num_attention_heads"] < 1:
-            raise FlowgeomError(f"config.json num_attention_heads must be a positive integer, got "
-                                f"{kwargs['num_attention_heads']!r}; fix config.json")
-        kwargs.setdefault("head_dim", kwargs["hidden_size"] // kwargs["num_attention_heads"])
+        # max(…, 1): a head count < 1 reaches __post_init__, which refuses it by name
+        kwargs.setdefault("head_dim", kwargs["hidden_size"] // max(kwargs["num_attention_heads"], 1))
         kwargs.setdefault("num_key_value_heads", kwargs["num_attention_heads"])
         try:
             return cls(**kwargs)
