@@ -351,8 +351,10 @@ def test_share_a_sharded_bf16_save_pretrained_folder_without_tokenizer(tmp_path,
     assert code == 0, err
     assert "no tokenizer.json" in stdout and not (out / "tokenizer.json").exists()
     assert json.loads((out / "flowgeom_share.json").read_text())["tokenizer"] is None
-    _byte_tokenizer().save(str(src / "tokenizer.json"))  # the reference's tokenizer scores both
     (tmp_path / "text.txt").write_text("In the beginning was the Word, and the Word was with God. " * 12)
+    code, _, err = _run(capsys, "continuity", "evaluate", str(out), "--text", str(tmp_path / "text.txt"))
+    assert code == 2 and "holds no tokenizer.json" in err and "--compare after a reference" in err
+    _byte_tokenizer().save(str(src / "tokenizer.json"))  # the reference's tokenizer scores both
     code, stdout, err = _run(capsys, "continuity", "evaluate", str(src), "--compare", str(out), "--text",
                              str(tmp_path / "text.txt"), "--context", "64", "--json")
     assert code == 0, err

@@ -80,7 +80,8 @@ def load_tokenizer(spec: str | Path):
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) != 1:
             raise FlowgeomError(f"folder {path} holds no tokenizer.json and not exactly one .gguf; the model's "
-                                "tokenizer is needed to evaluate it (continuity share writes tokenizer.json)")
+                                "tokenizer is needed to evaluate it: copy the original model's tokenizer.json "
+                                "there, or pass the folder with --compare after a reference model that has one")
         path = ggufs[0]
     if not is_gguf(path):
         raise FlowgeomError(f"no tokenizer found for {spec}; pass a .gguf or a folder with tokenizer.json")
