@@ -29,7 +29,8 @@ def test_run_writes_metrics_summary_and_figure(tmp_path, arch):
     assert (tmp_path / "r" / "figures" / "drift.png").stat().st_size > 1000
 
 
-def test_resume_after_kill_gives_identical_metrics(tmp_path):
+def test_resume_after_kill_gives_identical_metrics(tmp_path, monkeypatch):
+    monkeypatch.setattr("flowgeom.laws.monitor._warned", False)  # the warning is once per process: whatever ran before
     cfg = ConservationConfig.for_arch("moe-top2-softmax", **TINY, lr=0.1, optimizer="momentum", weight_decay=0.01)
     with pytest.warns(UserWarning, match="plain gradient descent"):
         ref = run_conservation(cfg, tmp_path / "a")

@@ -79,6 +79,62 @@ def test_one_step_laws_second_order_controls_first_order(mt):
         assert 0.8 <= log_slope(vals) <= 1.2, (key, vals)
 
 
+def test_a_law_zero_at_init_is_relative_to_its_weights_and_named():
+    """transformers initialises the QK-norm weights to ones, so ‖γ_q^(j)‖² − ‖γ_k^(j)‖² is exactly 0 at θ_0 and
+    ε relative to ‖h(θ_0)‖ was (a τ²-sized change) / 0 ~ 1e297 when training from scratch. It is now relative to
+    the scale of γ_q, γ_k, named in the monitor and its records, and still changes at second order. (OLMoE's
+    full-width form Σ_i∈g ‖γ_q^(i,j)‖² − ‖γ_k^(g,j)‖² is H/G − 1 ≠ 0 at the same init.)"""
+    model = tiny_model("qwen3", seed=0)
+    gamma = model.model.layers[0].self_attn.q_norm.weight
+    assert torch.equal(gamma, torch.ones_like(gamma))  # the premise: transformers' own init, no perturbation
+    with pytest.warns(FlowgeomWarning, match="zero at θ_0"):
+        mon = ConservationMonitor(model, per_block=False, warn=True,
+                                  optimizer=torch.optim.SGD(model.parameters(), lr=0.1))  # plain GD: no other warning
+    assert mon.zero_baseline and all("attn.qk_norm_gamma" in z for z in mon.zero_baseline)
+    assert mon.step(0)["zero_baseline"] == mon.zero_baseline  # every record names them
+    key = "eps/attn.qk_norm_gamma"
+    ids = torch.randint(3, 64, (2, 6), generator=torch.Generator().manual_seed(2))
+    with keep_dtype():
+        grads = torch.autograd.grad(model(input_ids=ids, labels=ids).loss, list(model.parameters()))
+    theta = [p.detach().clone() for p in model.parameters()]
+    eps = []
+    for tau in TAUS:
+        with torch.no_grad():
+            for p, t, g in zip(model.parameters(), theta, grads):
+                p.copy_(t - tau * g)
+        eps.append(mon.measure())
+    vals = [e[key] for e in eps]
+    assert all(math.isfinite(v) and v < 1e-2 for v in vals), vals
+    assert 1.8 <= log_slope(vals) <= 2.2, vals
+    # the denominator is the weights' energy: check one block's value by hand at the smallest τ
+    qn, kn = (f"model.layers.0.self_attn.{n}.weight" for n in ("q_norm", "k_norm"))
+    i = next(j for j, t in enumerate(mon.items) if t.family == "attn.qk_norm_gamma" and qn in t.law.params)
+    start = sum(t.law.count for t in mon.items[:i])
+    with torch.no_grad():
+        for p, t, g in zip(model.parameters(), theta, grads):
+            p.copy_(t - TAUS[0] * g)
+    dh = (mon.values() - mon.h0)[start:start + mon.items[i].law.count].norm()
+    scale = float(theta_of(model, theta, qn).pow(2).sum() + theta_of(model, theta, kn).pow(2).sum())
+    assert float(mon._h0_norm[i]) == pytest.approx(scale, rel=1e-12)
+    assert float(dh) / scale > 0  # the change is real, not rounding of a zero
+    # a law with a nonzero baseline keeps the seed's ε = ‖Δh‖ / ‖h(θ_0)‖
+    j = next(j for j, t in enumerate(mon.items) if t.kind == "eps" and t.family == "attn.vo")
+    start_j = sum(t.law.count for t in mon.items[:j])
+    assert float(mon._h0_norm[j]) == pytest.approx(float(mon.h0[start_j:start_j + mon.items[j].law.count].norm()))
+    # resume: the saved denominators come back exactly, whatever θ is now
+    state = mon.state_dict()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        again = ConservationMonitor(model, per_block=False, warn=False)
+    again.load_state_dict(state)
+    assert torch.equal(again._h0_norm, mon._h0_norm) and again.zero_baseline == mon.zero_baseline
+    assert again.measure()[key] == mon.measure()[key]
+
+
+def theta_of(model, theta, name):
+    return dict(zip((n for n, _ in model.named_parameters()), theta))[name]
+
+
 def test_every_attention_family_has_a_vo_control():
     for mt in ("gpt2", "gpt_neox", "falcon", "bert"):
         with warnings.catch_warnings():

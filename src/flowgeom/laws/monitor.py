@@ -52,6 +52,16 @@ change of the non-conserved controls), ``refuted/<family>[@<block>]``
 and ``uncovered: [{block, reason}]`` when some blocks of the model have no
 verified law (they are named, warned about once, and not measured; see
 :func:`flowgeom.laws.locate.locate_blocks`; also ``monitor.uncovered``).
+
+**A law that is zero at θ_0** has no relative error: Qwen3's per-head
+QK-norm law ‖γ_q^(j)‖² − ‖γ_k^(j)‖² is exactly 0 for transformers' ones
+initialisation, and ε would be (a rounding-sized change) / 0. When
+‖h(θ_0)‖ ≤ 1e-8·S, with S = (Σ_p ‖p‖²_F)^(d/2) over the parameters p the
+law reads and d its degree (S bounds ‖h‖ for every difference-of-squares law
+of the catalogue), that law's ε divides by S instead: the change relative to
+the energy of the weights it reads. Such laws are named once
+(:class:`~flowgeom.laws.locate.FlowgeomWarning`), in ``monitor.zero_baseline``
+and under ``zero_baseline`` in every record.
 """
 
 from __future__ import annotations
@@ -69,7 +79,9 @@ from torch import Tensor, nn
 from flowgeom.errors import FlowgeomError
 from flowgeom.laws.batched import BatchedLaws
 from flowgeom.laws.catalogue import CatalogueEntry, Law
-from flowgeom.laws.locate import Uncovered, locate_blocks
+from flowgeom.laws.locate import FlowgeomWarning, Uncovered, locate_blocks
+
+ZERO_BASELINE = 1e-8  # ‖h(θ_0)‖ at or below this times the law's parameter scale: normalise by the scale
 
 PLAIN_GD_WARNING = (
     "flowgeom: conservation laws hold for plain gradient descent / SGD only; momentum, Adam and "
@@ -178,7 +190,7 @@ class ConservationMonitor:
             raise FlowgeomError(f"no conservation law found in {type(model).__name__}: it holds no zoo block, no block of "
                                 "a supported HF family and no HF-named attention (q/k/v/o_proj) or gated MLP "
                                 "(gate/up/down_proj)" + (f"; uncovered: {missed}" if missed else ""))
-        self.model, self.every, self.run, self.per_block = model, every, run, per_block
+        self.model, self.every, self.run, self.per_block, self._warn = model, every, run, per_block, warn
         self.weight_decay, self.lr, self.rescale = float(weight_decay), lr, rescale
         if warn:
             warn_plain_gd_only(optimizer)
@@ -229,7 +241,22 @@ class ConservationMonitor:
     def reset(self) -> None:
         """Take the current parameters as θ_0."""
         self.h0 = self.values()
-        self._h0_norm = self._segment_norm(self.h0)
+        self._set_denominators()
+
+    def _set_denominators(self, warn: bool = True) -> None:
+        """ε's denominator per item: ‖h(θ_0)‖, or the parameter scale where h(θ_0) ≈ 0 (module docstring)."""
+        norm = self._segment_norm(self.h0)
+        sq = {n: float(torch.linalg.vector_norm(p.detach(), dtype=torch.float64)) ** 2
+              for n, p in zip(self._names, self._params)}
+        scale = torch.tensor([sum(sq[n] for n in set(t.law.params)) ** (t.law.degree / 2) for t in self.items],
+                             dtype=torch.float64)
+        zero = norm <= ZERO_BASELINE * scale
+        self._h0_norm = torch.where(zero, scale, norm)
+        self.zero_baseline = [f"{t.kind}/{t.family}@{t.block}" for t, z in zip(self.items, zero.tolist()) if z]
+        if self.zero_baseline and warn and self._warn:
+            warnings.warn(f"{len(self.zero_baseline)} law(s) are zero at θ_0 ({', '.join(self.zero_baseline[:3])}"
+                          f"{', …' if len(self.zero_baseline) > 3 else ''}): their ε is relative to the scale of the "
+                          "weights they read, not to ‖h(θ_0)‖ (monitor.zero_baseline)", FlowgeomWarning, stacklevel=3)
 
     def _segment_norm(self, v: Tensor) -> Tensor:
         sq = torch.zeros(len(self.items), dtype=torch.float64).index_add_(0, self._seg, v * v)
@@ -271,6 +298,8 @@ class ConservationMonitor:
         record = {"step": step, **(extra or {}), **self.measure(time=time, decay_log=decay_log)}
         if self.uncovered:
             record["uncovered"] = self.uncovered_list()
+        if self.zero_baseline:
+            record["zero_baseline"] = list(self.zero_baseline)
         if self.run is not None:
             self.run.log(record)
         return record
@@ -292,8 +321,8 @@ class ConservationMonitor:
         return [k for k in self._keys if k.startswith(kind + "/") and "@" not in k]
 
     def state_dict(self) -> dict[str, Tensor]:
-        """θ_0's law values (for resume: restore before continuing)."""
-        return {"h0": self.h0.clone()}
+        """θ_0's law values and ε's denominators (for resume: restore before continuing)."""
+        return {"h0": self.h0.clone(), "denominator": self._h0_norm.clone()}
 
     def load_state_dict(self, state: Mapping[str, Tensor]) -> None:
         h0 = state["h0"]
@@ -301,4 +330,10 @@ class ConservationMonitor:
             raise FlowgeomError(f"monitor state has {h0.numel()} values, this monitor tracks {self.h0.numel()}; "
                                 "it was saved for another model")
         self.h0 = h0.to(torch.float64).clone()
-        self._h0_norm = self._segment_norm(self.h0)
+        self._set_denominators(warn=False)  # names the zero-baseline laws; their scale was taken at θ_0:
+        denominator = state.get("denominator")
+        if denominator is not None:  # (states saved before it existed recompute it at the current θ)
+            if denominator.shape != self._h0_norm.shape:
+                raise FlowgeomError(f"monitor state has {denominator.numel()} denominators, this monitor tracks "
+                                    f"{self._h0_norm.numel()} laws; it was saved for another model")
+            self._h0_norm = denominator.to(torch.float64).clone()
