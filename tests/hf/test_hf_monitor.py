@@ -131,6 +131,26 @@ def test_a_law_zero_at_init_is_relative_to_its_weights_and_named():
     assert again.measure()[key] == mon.measure()[key]
 
 
+@pytest.mark.parametrize("mt", ["gpt2", "bert", "gpt_neox"])
+def test_a_zero_initialised_k_bias_law_is_relative_to_its_block(mt):
+    """transformers zero-initialises attention biases: the k-bias law h = b_k (gradient ≡ 0) is 0 at θ_0 and so
+    is the bias it reads; its ε is relative to the block's weights and stays at round-off (it was ~1e285)."""
+    model = tiny_model(mt, seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with pytest.warns(FlowgeomWarning, match="zero at θ_0"):
+        mon = ConservationMonitor(model, per_block=False, optimizer=opt)
+    assert any("attn.k_bias" in z for z in mon.zero_baseline)
+    assert len(mon.zero_baseline) == len(set(mon.zero_baseline))
+    ids = torch.randint(3, 60, (2, 8), generator=torch.Generator().manual_seed(0))
+    for k in range(4):
+        opt.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+    rec = mon.measure()
+    assert 0 <= rec["eps/attn.k_bias"] < 1e-10, rec["eps/attn.k_bias"]  # round-off of a zero-gradient bias
+    assert max(v for k, v in rec.items() if k.startswith("control/")) > 1e-7  # while the weights did move
+
+
 def theta_of(model, theta, name):
     return dict(zip((n for n, _ in model.named_parameters()), theta))[name]
 

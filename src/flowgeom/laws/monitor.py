@@ -59,7 +59,9 @@ initialisation, and ε would be (a rounding-sized change) / 0. When
 ‖h(θ_0)‖ ≤ 1e-8·S, with S = (Σ_p ‖p‖²_F)^(d/2) over the parameters p the
 law reads and d its degree (S bounds ‖h‖ for every difference-of-squares law
 of the catalogue), that law's ε divides by S instead: the change relative to
-the energy of the weights it reads. Such laws are named once
+the energy of the weights it reads (of its whole block when those are all
+zero, as for the k-bias law of a zero-initialised GPT-2/BERT/GPT-NeoX
+bias). Such laws are named once
 (:class:`~flowgeom.laws.locate.FlowgeomWarning`), in ``monitor.zero_baseline``
 and under ``zero_baseline`` in every record.
 """
@@ -247,16 +249,24 @@ class ConservationMonitor:
         """ε's denominator per item: ‖h(θ_0)‖, or the parameter scale where h(θ_0) ≈ 0 (module docstring)."""
         norm = self._segment_norm(self.h0)
         sq = {n: float(torch.linalg.vector_norm(p.detach(), dtype=torch.float64)) ** 2
-              for n, p in zip(self._names, self._params)}
-        scale = torch.tensor([sum(sq[n] for n in set(t.law.params)) ** (t.law.degree / 2) for t in self.items],
-                             dtype=torch.float64)
+              for n, p in self.model.named_parameters()}
+
+        def energy(t: Tracked) -> float:
+            """Σ‖p‖² of the parameters the law reads; of its whole block when those are all zero (a zero-init bias)."""
+            own = sum(sq[n] for n in set(t.law.params))
+            if own > 0 or not t.block:
+                return own
+            return sum(v for n, v in sq.items() if n.startswith(t.block + "."))
+
+        scale = torch.tensor([energy(t) ** (t.law.degree / 2) for t in self.items], dtype=torch.float64)
         zero = norm <= ZERO_BASELINE * scale
         self._h0_norm = torch.where(zero, scale, norm)
-        self.zero_baseline = [f"{t.kind}/{t.family}@{t.block}" for t, z in zip(self.items, zero.tolist()) if z]
+        self.zero_baseline = list(dict.fromkeys(f"{t.kind}/{t.family}@{t.block}"
+                                                for t, z in zip(self.items, zero.tolist()) if z))
         if self.zero_baseline and warn and self._warn:
             warnings.warn(f"{len(self.zero_baseline)} law(s) are zero at θ_0 ({', '.join(self.zero_baseline[:3])}"
                           f"{', …' if len(self.zero_baseline) > 3 else ''}): their ε is relative to the scale of the "
-                          "weights they read, not to ‖h(θ_0)‖ (monitor.zero_baseline)", FlowgeomWarning, stacklevel=3)
+                          "weights they read (or of their block), not to ‖h(θ_0)‖ (monitor.zero_baseline)", FlowgeomWarning, stacklevel=3)
 
     def _segment_norm(self, v: Tensor) -> Tensor:
         sq = torch.zeros(len(self.items), dtype=torch.float64).index_add_(0, self._seg, v * v)
