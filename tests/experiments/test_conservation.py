@@ -86,6 +86,13 @@ def test_cli_run_json_and_divergence_exit(tmp_path, capsys):
     assert code == 2 and "diverged" in capsys.readouterr().err
 
 
+def test_arch_help_lists_the_architectures(tmp_path, capsys):
+    """``--help`` says "see `--arch help`": it lists every name and runs nothing."""
+    assert main(["conserve", "run", "--arch", "help", "--out", str(tmp_path / "o")]) == 0
+    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    assert listed == list(ARCHS) and not (tmp_path / "o").exists()
+
+
 def test_all_named_archs_build():
     assert set(ARCHS) >= {"mha-none-swiglu", "mha-sinusoidal-swiglu", "mha-rope-swiglu", "moe-dense-softmax",
                           "moe-top2-softmax", "moe-dense-sigmoid", "moe-top2-sigmoid", "vit"}

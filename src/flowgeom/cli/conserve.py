@@ -69,6 +69,10 @@ def run_cmd(args: argparse.Namespace) -> int:
 
     _threads(args)
     preset = PRESETS[args.scale]
+    if args.arch == ["help"]:  # what the --arch help text promises: the list, then exit 0
+        for name, spec in ARCHS.items():
+            print(f"{name:24s} {spec['task']:4s} " + ", ".join(f"{k}={v}" for k, v in spec.items() if k != "task"))
+        return 0
     archs = args.arch or [a for a in ARCHS if args.task in ("both", ARCHS[a]["task"])]
     unknown = [a for a in archs if a not in ARCHS]
     if unknown:
