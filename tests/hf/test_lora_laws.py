@@ -13,7 +13,8 @@ from one_step import one_step_changes  # noqa: E402
 
 from flowgeom.hf.tiny import tiny_model  # noqa: E402
 from flowgeom.laws import check, count  # noqa: E402
-from flowgeom.laws.lora import lora_laws, trainable_only  # noqa: E402
+from flowgeom.laws.count import trainable_only  # noqa: E402
+from flowgeom.laws.lora import lora_laws  # noqa: E402
 
 
 class Wrapped(nn.Module):

@@ -227,3 +227,35 @@ def test_missing_input():
 def test_too_large_refused_with_estimate():
     with pytest.raises(FlowgeomError, match=r"D = 144 parameters needs about .* GiB"):
         count(build("swiglu"), max_memory=1000)
+
+
+# --- frozen parameters are constants of the flow --------------------------------------------
+
+class _Deep(nn.Module):
+    """Linear -> Linear -> Linear: each hidden layer of width w gives the w(w+1)/2 laws W_{i+1}ᵀW_{i+1} − W_i W_iᵀ."""
+
+    def __init__(self, frozen: tuple[str, ...] = ()):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(3, 2, bias=False), nn.Linear(2, 2, bias=False), nn.Linear(2, 3, bias=False)
+        for name in frozen:
+            getattr(self, name).requires_grad_(False)
+
+    def forward(self, x):
+        return self.c(self.b(self.a(x)))
+
+
+def test_frozen_parameters_are_held_fixed_not_counted():
+    sampler = shape_sampler((3,))
+    free = count(_Deep(), sampler)
+    assert (free.parameters, free.laws) == (16, 6)  # two hidden layers of width 2: 3 + 3
+    part = count(_Deep(frozen=("a",)), sampler)
+    # a fixed: only cᵀc − b bᵀ is left (3 laws); the flow moves b and c (4 + 6 = 10 coordinates)
+    assert (part.parameters, part.laws) == (10, 3)
+    assert any("1 frozen parameter tensor(s)" in n and "a.weight" in n for n in part.notes)
+    # the same count as the module with a as a buffer by hand (an independent construction)
+    by_hand = _Deep()
+    weight = by_hand.a._parameters.pop("weight")
+    by_hand.a.register_buffer("weight", weight.detach())
+    assert count(by_hand, sampler).laws == part.laws and not any("frozen" in n for n in free.notes)
+    with pytest.raises(FlowgeomError, match="every parameter of _Deep is frozen"):
+        count(_Deep(frozen=("a", "b", "c")), sampler)

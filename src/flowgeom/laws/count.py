@@ -203,19 +203,49 @@ def memory_estimate(parameters: int, block: int, *, bytes_per: int = 8) -> int:
     return bytes_per * (2 * parameters * parameters + 6 * block * parameters)
 
 
-def prepare(module: nn.Module, sample_input: Sampler | None, *, dtype, device) -> tuple[nn.Module, Sampler]:
-    """A float copy of ``module`` on ``device`` and its input sampler; FlowgeomError if unusable."""
+def trainable_only(module: nn.Module) -> nn.Module:
+    """A deep copy of ``module`` whose frozen parameters (``requires_grad=False``) are buffers.
+
+    The numeric engine counts laws over ``named_parameters()``; gradient flow never moves a frozen
+    parameter, so it is a constant of the flow, not a coordinate. On a LoRA layer this leaves only
+    the adapters, i.e. the laws *of the fine-tuning*.
+    """
+    work = copy.deepcopy(module)
+    for sub in work.modules():
+        for name in [n for n, p in sub._parameters.items() if p is not None and not p.requires_grad]:
+            p = sub._parameters.pop(name)
+            sub.register_buffer(name, p.detach())
+    return work
+
+
+def frozen_note(frozen: list[str]) -> list[str]:
+    """The note a count or discovery carries when frozen parameters were held fixed (empty when none were)."""
+    if not frozen:
+        return []
+    shown = ", ".join(frozen[:4]) + (f", … ({len(frozen) - 4} more)" if len(frozen) > 4 else "")
+    return [f"{len(frozen)} frozen parameter tensor(s) (requires_grad=False: {shown}) are constants of the flow, "
+            "not coordinates: D counts the trained parameters only"]
+
+
+def prepare(module: nn.Module, sample_input: Sampler | None, *, dtype, device) -> tuple[nn.Module, Sampler, list[str]]:
+    """A float copy of ``module`` on ``device`` (frozen parameters as constants), its input sampler and the
+    frozen parameters' names; FlowgeomError if unusable."""
     if not isinstance(module, nn.Module):
         raise FlowgeomError(f"expected an nn.Module, got {type(module).__name__}")
     if sum(p.numel() for p in module.parameters()) == 0:
         raise FlowgeomError(f"{type(module).__name__} has no parameters: there is nothing to conserve; pass a module with weights")
     check_parameters(module)
+    frozen = [n for n, p in module.named_parameters() if not p.requires_grad]
+    if len(frozen) == len(list(module.parameters())):
+        raise FlowgeomError(f"every parameter of {type(module).__name__} is frozen (requires_grad=False): gradient flow "
+                            "moves nothing, so every function of θ is trivially conserved; unfreeze the parameters "
+                            "you train (module.requires_grad_(True))")
     if sample_input is None:
         if not callable(getattr(module, "sample_input", None)):
             raise FlowgeomError(f"{type(module).__name__} has no sample_input(batch, generator); pass an input shape (--input-shape 4,8)")
         sample_input = module_sampler(module)
-    work = copy.deepcopy(module).to(device=device, dtype=dtype)
-    return work, sample_input
+    work = (trainable_only(module) if frozen else copy.deepcopy(module)).to(device=device, dtype=dtype)
+    return work, sample_input, frozen
 
 
 def check_parameters(module: nn.Module) -> None:
@@ -373,7 +403,7 @@ def count(
                             f"{patience}, {block}, {per_field} and max_depth {max_depth}")
     check_tolerance(tol, dtype)
     generator(seed)  # a bad seed is refused before any work
-    work, sampler = prepare(module, sample_input, dtype=dtype, device=device)
+    work, sampler, frozen = prepare(module, sample_input, dtype=dtype, device=device)
     switched = eager_attention(work)  # sdpa/flash have no forward-mode AD; eager is the same function
     model = FieldModel(work)
     d = model.layout.size
@@ -398,7 +428,8 @@ def count(
     tol_used = tol if tol is not None else tolerance_for(prec, default_tol) if prec is not None and prec.reduced else default_tol
     span = SpanTracker(d, tol=tol_used, dtype=dtype, device=device)
     ranks = lie_span(span, source, gen, max_depth=max_depth, patience=patience, block=block)
-    notes = switched + gap_notes(span.gap(), prec, default_tol=default_tol, tol_given=tol is not None)
+    notes = switched + frozen_note(frozen) + gap_notes(span.gap(), prec, default_tol=default_tol,
+                                                       tol_given=tol is not None)
     if max_depth == 0 and span.rank < d:
         notes.append("max_depth 0: no Lie brackets were taken, so this is D − dim W(θ), an upper bound on the laws")
     elif len(ranks) == max_depth + 1 and ranks[-1] != ranks[-2] and span.rank < d:

@@ -35,8 +35,8 @@ from torch import nn
 from flowgeom.errors import FlowgeomError
 from torch.func import vmap
 
-from flowgeom.laws.count import (DEFAULT_TOL, FieldSource, _expected, io_estimate, prepare, probe_output,
-                                 random_point, require_finite)
+from flowgeom.laws.count import (DEFAULT_TOL, FieldSource, _expected, frozen_note, io_estimate, prepare,
+                                 probe_output, random_point, require_finite)
 from flowgeom.laws.fields import FieldModel, ParamLayout, Sampler, draw_inputs, generator
 from flowgeom.memory import available_memory
 
@@ -331,7 +331,7 @@ def discover(
         raise FlowgeomError(f"extra_points and max_parameters must be >= 1, got {extra_points} and {max_parameters}")
     generator(seed)  # a bad seed is refused before any work
     device = torch.device(device)
-    work, sampler = prepare(module, sample_input, dtype=dtype, device=device)
+    work, sampler, frozen = prepare(module, sample_input, dtype=dtype, device=device)
     model = FieldModel(work)
     d = model.layout.size
     if d > max_parameters:
@@ -373,7 +373,9 @@ def discover(
         lin = row[iu.shape[1] :]
         laws.append(DiscoveredLaw(format_law(q, lin, model.layout), q, lin))
     worst = _violation(laws, model, sampler, out_shape, gen, dtype=dtype, device=device) if laws else 0.0
-    notes = [] if worst < 1e-6 else [f"largest violation {worst:.1e}: some laws may be approximate (near-laws)"]
+    notes = frozen_note(frozen)
+    if worst >= 1e-6:
+        notes.append(f"largest violation {worst:.1e}: some laws may be approximate (near-laws)")
     if n_products:
         notes.append(f"{n_products} products of linear laws (also conserved) are left out of the basis")
     return DiscoverResult(parameters=d, laws=laws, expected=_expected(module), max_violation=worst,

@@ -49,7 +49,6 @@ both norms move only at second order in the first step.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import replace
 
 import torch
@@ -168,15 +167,3 @@ def lora_laws(model: nn.Module) -> CatalogueEntry:
     return CatalogueEntry(tuple(laws), tuple(controls), (), tuple(notes))
 
 
-def trainable_only(module: nn.Module) -> nn.Module:
-    """A deep copy of ``module`` whose frozen parameters (``requires_grad=False``) are buffers.
-
-    The numeric engine counts laws over ``named_parameters()``; on a LoRA
-    layer this leaves only the adapters, i.e. the laws *of the fine-tuning*.
-    """
-    work = copy.deepcopy(module)
-    for sub in work.modules():
-        for name in [n for n, p in sub._parameters.items() if p is not None and not p.requires_grad]:
-            p = sub._parameters.pop(name)
-            sub.register_buffer(name, p.detach())
-    return work
