@@ -109,9 +109,24 @@ def read_json_object(path: str | os.PathLike, *, fix: str) -> dict[str, Any]:
     return value
 
 
+def check_out_file(path: str | os.PathLike, flag: str = "--out") -> None:
+    """Refuse, before any work, an output file path that cannot be written: a folder, or under a file."""
+    path = Path(path)
+    if path.is_dir():
+        raise FlowgeomError(f"{flag} {path} is a folder; {flag} takes a file name, e.g. {path / 'report.json'}")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise FlowgeomError(f"{flag} {path}: {parent} is a file, not a folder; choose another {flag}")
+            if not os.access(parent, os.W_OK | os.X_OK):
+                raise FlowgeomError(f"{flag} {path}: the folder {parent} is not writable; choose another {flag}")
+            return
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write ``data`` to ``path`` so that readers see the old or the new file only."""
     path = Path(path)
+    check_out_file(path, "the output")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")

@@ -375,3 +375,23 @@ def test_any_text_for_a_typed_flag_parses_or_is_one_usage_line(case, text):
             assert exc.code == 2
             lines = err.getvalue().splitlines()
             assert len(lines) == 1 and lines[0].startswith("flowgeom") and "error:" in lines[0], err.getvalue()
+
+
+@pytest.mark.parametrize("command", [["continuity", "analyze", "builtin:minilm"],
+                                     ["continuity", "evaluate", "builtin:smollm2", "--tokens", "300"]])
+@pytest.mark.parametrize("where", ["folder", "under_a_file"])
+def test_an_out_file_that_cannot_be_written_is_refused_before_the_work(command, where, cli, tmp_path, monkeypatch):
+    """--out naming a folder, or a path under a file, used to fail only after the whole analysis or evaluation."""
+    import flowgeom.continuity as continuity
+    import flowgeom.nn.llama as llama
+
+    def never(*args, **kwargs):
+        raise AssertionError("the work started before --out was checked")
+
+    monkeypatch.setattr(continuity, "analyze", never)
+    monkeypatch.setattr(llama, "load_llama", never)
+    (tmp_path / "afile").write_text("mine")
+    out = tmp_path if where == "folder" else tmp_path / "afile" / "report.json"
+    rc, _, err = cli([*command, "--out", out])
+    assert rc == 2 and ("is a folder" in err if where == "folder" else "is a file, not a folder" in err), err
+    assert (tmp_path / "afile").read_text() == "mine"

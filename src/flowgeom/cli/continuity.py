@@ -136,11 +136,14 @@ def run_analyze(args: argparse.Namespace) -> int:
     from flowgeom.continuity import AnalyzeConfig, analyze
     from flowgeom.continuity.figure import figure_format, heatmap_bytes
     from flowgeom.continuity.naming import parse_role_option
-    from flowgeom.runs import atomic_write_bytes, atomic_write_json
+    from flowgeom.runs import atomic_write_bytes, atomic_write_json, check_out_file
 
     apply_threads(args.threads)
     device = resolve_device(args.device)
     fmt = figure_format(args.figure) if args.figure else None
+    for flag, path in (("--out", args.out), ("--figure", args.figure)):  # before minutes of analysis, not after
+        if path:
+            check_out_file(path, flag)
     custom = dict(parse_role_option(text) for text in args.role) if args.role else None
     config = AnalyzeConfig(
         k=args.k, distances=args.distance, roles=tuple(args.roles.split(",")) if args.roles else None,

@@ -183,9 +183,12 @@ def run_evaluate(args: argparse.Namespace) -> int:
     from flowgeom.data.text import load_text
     from flowgeom.data.tokens import cached_ids, load_tokenizer
     from flowgeom.nn.llama import load_llama
+    from flowgeom.runs import check_out_file
 
     apply_threads(args.threads)
     device = resolve_device(args.device)
+    if args.out:
+        check_out_file(args.out)  # before any model is loaded
     max_tokens = args.tokens or (None if args.full else QUICK_TOKENS)
     config = EvalConfig(context=args.context, stride=args.stride, max_tokens=max_tokens, batch=args.batch)
     specs = [args.source] + list(args.compare or [])
