@@ -50,6 +50,7 @@ flowgeom versions) is refused with a message, never opened.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
@@ -141,7 +142,8 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
         os.replace(tmp, path)
     except OSError as exc:
         Path(tmp).unlink(missing_ok=True)
-        raise FlowgeomError(f"cannot write {path}: {exc.strerror}; free disk space or choose another --out") from exc
+        fix = "free disk space" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "choose a writable location"
+        raise FlowgeomError(f"cannot write {path}: {exc.strerror}; {fix} or choose another --out") from exc
 
 
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
