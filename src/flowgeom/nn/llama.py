@@ -85,6 +85,8 @@ class LlamaConfig:
         if not isinstance(cfg, dict):
             raise FlowgeomError(f"config.json holds a JSON {type(cfg).__name__}, not an object of Llama fields; "
                                 "re-export it")
+        if cfg.get("model_type", "llama") != "llama":
+            raise FlowgeomError(f"config.json says model_type {cfg.get('model_type')!r}; only llama is supported")
         missing = [name for name in _REQUIRED_HF if cfg.get(name) is None]
         if missing:
             raise FlowgeomError(f"config.json is missing the Llama field(s) {', '.join(missing)}; re-export it "
@@ -98,8 +100,6 @@ class LlamaConfig:
                     or (f.type == "bool" and not isinstance(value, bool)):
                 raise FlowgeomError(f"config.json field {f.name} must be {'an' if f.type == 'int' else 'a'} "
                                     f"{f.type}, got {value!r}; fix config.json")
-        if cfg.get("model_type", "llama") != "llama":
-            raise FlowgeomError(f"config.json says model_type {cfg.get('model_type')!r}; only llama is supported")
         for key in ("rope_scaling", "rope_parameters"):  # transformers 5 moved rope_theta into rope_parameters
             if not isinstance(cfg.get(key) or {}, dict):
                 raise FlowgeomError(f"config.json {key} must be an object, got {cfg[key]!r}; fix config.json")
