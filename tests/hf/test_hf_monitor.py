@@ -151,6 +151,19 @@ def test_a_zero_initialised_k_bias_law_is_relative_to_its_block(mt):
     assert max(v for k, v in rec.items() if k.startswith("control/")) > 1e-7  # while the weights did move
 
 
+def test_half_precision_weights_are_warned_about_and_recorded():
+    """bfloat16 weights round every update (2^-8 relative): ε then measures the rounding; said, not hidden."""
+    model = tiny_model("llama", seed=0, dtype=torch.bfloat16)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with pytest.warns(FlowgeomWarning, match=r"bfloat16 weights: every step rounds them by up to 3\.9e-03"):
+        mon = ConservationMonitor(model, optimizer=opt)
+    assert mon.low_precision == ["bfloat16"] and mon.step(0)["low_precision"] == ["bfloat16"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FlowgeomWarning)  # float32: no such warning
+        full = ConservationMonitor(tiny_model("llama", seed=0, dtype=torch.float32), optimizer=opt)
+    assert full.low_precision == [] and "low_precision" not in full.step(0)
+
+
 def theta_of(model, theta, name):
     return dict(zip((n for n, _ in model.named_parameters()), theta))[name]
 

@@ -64,6 +64,13 @@ zero, as for the k-bias law of a zero-initialised GPT-2/BERT/GPT-NeoX
 bias). Such laws are named once
 (:class:`~flowgeom.laws.locate.FlowgeomWarning`), in ``monitor.zero_baseline``
 and under ``zero_baseline`` in every record.
+
+**Half-precision weights.** The laws are exact for gradient flow; weights
+stored in bfloat16/float16 are rounded at every step (2^-8 / 2^-11
+relative), which moves every law by that much and swallows small updates
+(a control can then move less than a law). The monitor warns once and puts
+the dtypes under ``low_precision`` in every record (``monitor.low_precision``);
+measure with float32 weights, e.g. float32 master weights under autocast.
 """
 
 from __future__ import annotations
@@ -203,6 +210,14 @@ class ConservationMonitor:
                                 "build the laws from this model (ConservationMonitor(model))")
         self._names = sorted({n for t in self.items for n in t.law.params})
         self._params = [named[n] for n in self._names]
+        self.low_precision = sorted({str(p.dtype).replace("torch.", "") for p in self._params
+                                     if p.dtype in (torch.float16, torch.bfloat16)})
+        if self.low_precision and warn:  # the laws are exact for the flow; half-precision weights are not
+            worst = max(torch.finfo(getattr(torch, d)).eps / 2 for d in self.low_precision)  # unit roundoff
+            warnings.warn(f"the laws read {' and '.join(self.low_precision)} weights: every step rounds them by up to "
+                          f"{worst:.1e} relative, so ε measures that rounding as much as the flow's O(τ²k) drift "
+                          "(it can exceed the controls); train with float32 weights (e.g. float32 master weights "
+                          "under autocast) to measure the laws", FlowgeomWarning, stacklevel=2)
         self._batched = BatchedLaws([t.law for t in self.items], self._detached())
         counts = [t.law.count for t in self.items]
         self._seg = torch.repeat_interleave(torch.arange(len(self.items)), torch.tensor(counts))  # (total,)
@@ -310,6 +325,8 @@ class ConservationMonitor:
             record["uncovered"] = self.uncovered_list()
         if self.zero_baseline:
             record["zero_baseline"] = list(self.zero_baseline)
+        if self.low_precision:
+            record["low_precision"] = list(self.low_precision)
         if self.run is not None:
             self.run.log(record)
         return record
