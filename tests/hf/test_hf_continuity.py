@@ -314,6 +314,28 @@ def test_an_adapter_folder_alone_says_where_the_base_weights_go(tmp_path, capsys
     assert "only PEFT LoRA factors" in err and "--merge-lora" in err and err.count("\n") == 1
 
 
+def test_rank_and_alpha_patterns_give_peft_scales_and_a_foreign_config_is_refused(tmp_path, capsys):
+    peft = pytest.importorskip("peft")
+    model = tiny_model("llama", seed=0, dtype=torch.float32, num_hidden_layers=L)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], rank_pattern={"v_proj": 2},
+                             alpha_pattern={"q_proj": 12}, init_lora_weights=False)
+    pm = peft.get_peft_model(model, config)
+    model.save_pretrained(tmp_path)
+    pm.save_pretrained(tmp_path)
+    disk = report_of(tmp_path, merge_lora=True)
+    want = {name.removeprefix("base_model.model."): float(m.scaling["default"])
+            for name, m in pm.named_modules() if hasattr(m, "lora_A") and isinstance(getattr(m, "scaling", None), dict)}
+    got = {e["module"]: e["scale"] for e in disk["lora"]}
+    assert got == pytest.approx(want) and {round(v, 6) for v in got.values()} == {3.0, 4.0}  # 12/4 (q), 8/2 (v)
+    cfg = json.loads((tmp_path / "adapter_config.json").read_text())
+    cfg["rank_pattern"] = {}  # the v adapters have rank 2, the config now says 4: not this adapter's config
+    (tmp_path / "adapter_config.json").write_text(json.dumps(cfg))
+    capsys.readouterr()  # drop transformers' save progress bars
+    assert main(["continuity", "analyze", str(tmp_path), "--merge-lora"]) == 2
+    err = capsys.readouterr().err
+    assert "says r = 4" in err and "have rank 2" in err and err.count("\n") == 1
+
+
 def test_rslora_scale_matches_peft(tmp_path):
     model, pm = _peft_llama(rslora=True)
     pm.save_pretrained(tmp_path)

@@ -142,10 +142,19 @@ def lora_scale(module: str, adapter: str, rank: int, hints: NamingHints) -> floa
     if not cfg or "lora_alpha" not in cfg:
         raise FlowgeomError(f"--merge-lora needs the LoRA scale of {module}: put the adapter's adapter_config.json "
                             "(lora_alpha, r, use_rslora) next to its weights")
-    alpha = cfg["lora_alpha"]
-    for key, value in (cfg.get("alpha_pattern") or {}).items():
-        if module == key or module.endswith("." + key):
-            alpha = value
+    alpha, r = cfg["lora_alpha"], cfg.get("r")
+    for pattern, into in (("alpha_pattern", "alpha"), ("rank_pattern", "r")):  # PEFT's per-module overrides
+        for key, value in (cfg.get(pattern) or {}).items():
+            if module == key or module.endswith("." + key):
+                alpha, r = (value, r) if into == "alpha" else (alpha, value)
+    for name, value in (("lora_alpha", alpha), ("r", r)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value)):
+            raise FlowgeomError(f"adapter_config.json {name} of {module} must be a number, got {value!r}; fix it")
+    if r is not None and r != rank:
+        raise FlowgeomError(f"adapter_config.json says r = {r!r} for {module} but its lora_A/lora_B have rank {rank}: "
+                            "the config is not this adapter's (PEFT itself would refuse to load it); use the "
+                            "adapter_config.json saved with these weights")
     return float(alpha) / (math.sqrt(rank) if cfg.get("use_rslora") else rank)
 
 
