@@ -174,3 +174,13 @@ def test_cli_solver_no_gram_and_threads(tmp_path, capsys):
 def test_report_source_of_in_memory_weights_is_a_label_not_their_repr():
     report = analyze(llama_state(layers=3, seed=5), AnalyzeConfig(k=2, roles=("q",)))
     assert report["source"] == "state dict"
+
+
+def test_every_distance_must_leave_a_pair():
+    """A distance beyond the layers used to crash the summary (mean of no pairs); it is refused up front."""
+    from flowgeom.errors import FlowgeomError
+
+    with pytest.raises(FlowgeomError, match="--distance 6 leaves no pair among the 6 layers"):
+        analyze(_planted_state(), AnalyzeConfig(k=2, distances=(1, 6)))
+    report = analyze(_planted_state(), AnalyzeConfig(k=2, distances=(1, 5)))  # the largest that fits: one pair
+    assert [p["distance"] for p in report["roles"]["q"]["pairs"]].count(5) == 1

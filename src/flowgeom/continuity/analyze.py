@@ -145,9 +145,10 @@ class Analyzer:
                 self.k_of[role] = min(m, n)  # one row per expert (a shared-expert gate has one row)
             elif config.k > min(m, n):
                 raise FlowgeomError(f"--k {config.k} exceeds the rank bound {min(m, n)} of role {role} {[m, n]}; lower --k")
-            if min(config.distances) >= len(refs):
-                raise FlowgeomError(f"--distance {min(config.distances)} leaves no pair among the {len(refs)} layers "
-                                    f"of role {role}; use a distance below {len(refs)}")
+            too_far = [d for d in config.distances if d >= len(refs)]
+            if too_far:  # every distance must give at least one pair: its mean is reported
+                raise FlowgeomError(f"--distance {too_far[0]} leaves no pair among the {len(refs)} layers "
+                                    f"of role {role}; use distances below {len(refs)}")
 
     def _drop(self, refs: list[MatrixRef], reason: str) -> None:
         """List the tensors of ``refs`` as unmatched with ``reason`` (once each)."""
