@@ -93,7 +93,8 @@ def lm_batch(tokens: torch.Tensor, *, batch: int, seq_len: int, generator: torch
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """Random windows: inputs (batch seq_len) and next-token targets (batch seq_len)."""
     if len(tokens) <= seq_len + 1:
-        raise FlowgeomError(f"corpus of {len(tokens)} tokens is shorter than seq_len={seq_len}; use a shorter --seq-len")
+        raise FlowgeomError(f"corpus of {len(tokens)} tokens is shorter than seq_len={seq_len}; pass a longer text, or a "
+                            "shorter seq_len (`continuity train lm --set seq_len=N`)")
     starts = torch.randint(0, len(tokens) - seq_len - 1, (batch,), generator=generator)
     idx = starts[:, None] + torch.arange(seq_len + 1)  # (batch, seq_len+1)
     window = tokens[idx]
