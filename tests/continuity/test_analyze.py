@@ -184,3 +184,19 @@ def test_every_distance_must_leave_a_pair():
         analyze(_planted_state(), AnalyzeConfig(k=2, distances=(1, 6)))
     report = analyze(_planted_state(), AnalyzeConfig(k=2, distances=(1, 5)))  # the largest that fits: one pair
     assert [p["distance"] for p in report["roles"]["q"]["pairs"]].count(5) == 1
+
+
+def test_meta_integer_and_unreadable_sources_are_one_clear_error():
+    """A model built on the meta device, integer (quantised-code) weights under a role, and a source of the
+    wrong type used to raise torch/TypeErrors from deep inside."""
+    from flowgeom.errors import FlowgeomError
+
+    state = _planted_state()
+    with pytest.raises(FlowgeomError, match="meta device"):
+        analyze({k: torch.empty(v.shape, device="meta") for k, v in state.items()}, AnalyzeConfig(k=2))
+    codes = {k: (v * 100).round().to(torch.int8) if "q_proj" in k else v for k, v in state.items()}
+    with pytest.raises(FlowgeomError, match=r"role q\) has dtype int8: the integer codes of a quantised"):
+        analyze(codes, AnalyzeConfig(k=2))
+    assert "q" not in analyze(codes, AnalyzeConfig(k=2, roles=("v", "down")))["roles"]  # the fix it names works
+    with pytest.raises(FlowgeomError, match="cannot read weights from a list"):
+        analyze([1, 2], AnalyzeConfig(k=2))

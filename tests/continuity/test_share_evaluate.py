@@ -459,6 +459,20 @@ def test_a_config_json_that_is_not_an_object_is_one_line_exit_2(tiny_folder, tmp
     assert code == 2 and "holds a JSON list" in err and len(err.strip().splitlines()) == 1
 
 
+def test_integer_weights_in_a_llama_folder_are_refused(tiny_folder, tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(tiny_folder / "model.safetensors"))
+    name = "model.layers.1.mlp.up_proj.weight"
+    state[name] = (state[name] * 50).round().to(torch.int8)  # int8 codes, their scales gone
+    save_file(state, str(tiny_folder / "model.safetensors"))
+    for argv in (["evaluate", str(tiny_folder), "--text", str(tmp_path / "text.txt"), "--context", "64"],
+                 ["share", str(tiny_folder), "--out", str(tmp_path / "o"), "--rank", "2"]):
+        code, _, err = _run(capsys, "continuity", *argv)
+        assert code == 2 and name in err and "dtype int8" in err and "dequantise" in err, err
+    assert not (tmp_path / "o").exists()
+
+
 def test_evaluate_text_too_short_is_one_line(tiny_folder, tmp_path, capsys):
     code, _, err = _run(capsys, "continuity", "evaluate", str(tiny_folder), "--text", str(tmp_path / "text.txt"),
                         "--context", "100000")

@@ -162,6 +162,10 @@ class Analyzer:
     def _load(self, ref: MatrixRef) -> tuple[torch.Tensor, torch.Tensor]:
         """``(A 2^-e, e)`` in the compute dtype: extreme weights (1e25, 1e-30) rescaled exactly (spectra.unit_scale)."""
         t = ref.load(self.source)  # one tensor (or one expert of a stack), fused rows selected, LoRA merged
+        if not t.is_floating_point():
+            raise FlowgeomError(f"{ref.tensor} (role {ref.role}) has dtype {str(t.dtype).replace('torch.', '')}: the "
+                                "integer codes of a quantised checkpoint (without their scales) or not weights at "
+                                "all; dequantise the checkpoint to float first, or leave the role out with --roles")
         return unit_scale(t.to(device=self.device), self.dtype)  # (m, n), ()
 
     def _layer_states(self, refs: list[MatrixRef]) -> list[_LayerState]:

@@ -70,6 +70,9 @@ class TensorSource:
         except Exception as exc:  # reader errors: corrupt or truncated data
             raise FlowgeomError(f"cannot read tensor {shown(name)} from {self.label}: {one_line(exc)}; the file looks "
                                 "corrupt or truncated, re-download or re-export it") from exc
+        if t.is_meta:
+            raise FlowgeomError(f"tensor {shown(name)} in {self.label} is on the meta device (no values); materialise "
+                                "the model first (load its weights, e.g. from_pretrained without device_map='meta')")
         if tuple(t.shape) != tuple(self.shapes[name]):
             raise FlowgeomError(f"tensor {shown(name)} in {self.label} holds shape {list(t.shape)} but the header says "
                                 f"{list(self.shapes[name])}; the file is corrupt, re-export it")
@@ -242,7 +245,11 @@ def open_source(spec) -> TensorSource:
         return MemorySource(spec.state_dict(), label=type(spec).__name__)
     if isinstance(spec, Mapping):
         return MemorySource(spec, label="state dict")
-    text = os.fspath(spec)
+    try:
+        text = os.fspath(spec)
+    except TypeError:
+        raise FlowgeomError(f"cannot read weights from a {type(spec).__name__}; pass a checkpoint path, "
+                            "'builtin:NAME', an nn.Module or a mapping of tensor names to tensors") from None
     if isinstance(text, bytes):
         text = os.fsdecode(text)
     if text.startswith("builtin:"):

@@ -346,7 +346,13 @@ def hf_state_dict(folder: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tens
     except FlowgeomError as exc:
         raise FlowgeomError(f"{folder}: {exc}") from None
     src = open_source(folder)
-    return cfg, {name: src.load(name).float() for name in src.shapes}
+    state = {name: src.load(name) for name in src.shapes}
+    codes = [name for name, t in state.items() if not t.is_floating_point()]
+    if codes:  # int8/int4 codes scored as floats would be a different model
+        raise FlowgeomError(f"{folder}: {codes[0]} has dtype {str(state[codes[0]].dtype).replace('torch.', '')} (and "
+                            f"{len(codes) - 1} more integer tensors): a quantised checkpoint; dequantise it to "
+                            "float (e.g. save_pretrained of the dequantised model) first")
+    return cfg, {name: t.float() for name, t in state.items()}
 
 
 def is_gguf(spec: str | Path) -> bool:
