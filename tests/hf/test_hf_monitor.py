@@ -10,6 +10,7 @@ pytest.importorskip("transformers")
 
 from one_step import TAUS, log_slope  # noqa: E402
 
+from flowgeom.errors import FlowgeomError  # noqa: E402
 from flowgeom.hf.tiny import SUPPORTED, tiny_config, tiny_model  # noqa: E402
 from flowgeom.laws.locate import FlowgeomWarning, locate_blocks  # noqa: E402
 from flowgeom.laws.monitor import ConservationMonitor  # noqa: E402
@@ -238,3 +239,23 @@ def test_declared_degree_is_the_measured_homogeneity(mt):
     degrees = {law.family: law.degree for law in entry.laws}
     assert all(homogeneity_degree(law, params) == law.degree for law in entry.laws)
     assert 1 in degrees.values() and 2 in degrees.values(), degrees  # k bias (gpt2, gpt_neox), router sum (mixtral)
+
+
+def test_a_meta_or_non_finite_model_is_refused_at_construction():
+    """Built on the meta device: a raw NotImplementedError before; NaN weights at θ_0: every ε silently NaN."""
+    cfg = tiny_config("llama")
+    with torch.device("meta"):
+        meta = transformers_model(cfg)
+    with pytest.raises(FlowgeomError, match="meta device"):
+        ConservationMonitor(meta, warn=False)
+    model = tiny_model("llama", seed=0)
+    with torch.no_grad():
+        model.model.layers[0].self_attn.q_proj.weight[0, 0] = float("nan")
+    with pytest.raises(FlowgeomError, match=r"q_proj.weight contains NaN or Inf\): every ε would be NaN"):
+        ConservationMonitor(model, warn=False)
+
+
+def transformers_model(cfg):
+    import transformers
+
+    return transformers.LlamaForCausalLM(cfg)

@@ -210,6 +210,10 @@ class ConservationMonitor:
                                 "build the laws from this model (ConservationMonitor(model))")
         self._names = sorted({n for t in self.items for n in t.law.params})
         self._params = [named[n] for n in self._names]
+        meta = [n for n, p in zip(self._names, self._params) if p.is_meta]
+        if meta:
+            raise FlowgeomError(f"{meta[0]} (and {len(meta) - 1} more) is on the meta device (no values); materialise "
+                                "the model (load its weights) before building the monitor")
         self.low_precision = sorted({str(p.dtype).replace("torch.", "") for p in self._params
                                      if p.dtype in (torch.float16, torch.bfloat16)})
         if self.low_precision and warn:  # the laws are exact for the flow; half-precision weights are not
@@ -256,8 +260,15 @@ class ConservationMonitor:
         return self._batched(self._detached())
 
     def reset(self) -> None:
-        """Take the current parameters as θ_0."""
-        self.h0 = self.values()
+        """Take the current parameters as θ_0 (refused when the laws are not finite there)."""
+        h0 = self.values()
+        if not bool(torch.isfinite(h0).all()):
+            bad = [n for n, p in zip(self._names, self._params) if not bool(torch.isfinite(p.detach()).all())]
+            what = (f"{', '.join(bad[:3])} contain{'s' if len(bad) == 1 else ''} NaN or Inf" if bad
+                    else "a law overflowed float64")
+            raise FlowgeomError(f"the laws are not finite at θ_0 ({what}): every ε would be NaN; fix or re-initialise "
+                                "the weights before building the monitor (or call reset() once they are finite)")
+        self.h0 = h0
         self._set_denominators()
 
     def _set_denominators(self, warn: bool = True) -> None:
