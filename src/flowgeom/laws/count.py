@@ -244,7 +244,7 @@ def prepare(module: nn.Module, sample_input: Sampler | None, *, dtype, device) -
         if not callable(getattr(module, "sample_input", None)):
             raise FlowgeomError(f"{type(module).__name__} has no sample_input(batch, generator); pass an input shape (--input-shape 4,8)")
         sample_input = module_sampler(module)
-    work = (trainable_only(module) if frozen else copy.deepcopy(module)).to(device=device, dtype=dtype)
+    work = trainable_only(module).to(device=device, dtype=dtype)  # a deep copy; frozen tensors as buffers
     return work, sample_input, frozen
 
 

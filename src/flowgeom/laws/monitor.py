@@ -274,15 +274,18 @@ class ConservationMonitor:
     def _set_denominators(self, warn: bool = True) -> None:
         """ε's denominator per item: ‖h(θ_0)‖, or the parameter scale where h(θ_0) ≈ 0 (module docstring)."""
         norm = self._segment_norm(self.h0)
-        sq = {n: float(torch.linalg.vector_norm(p.detach(), dtype=torch.float64)) ** 2
-              for n, p in self.model.named_parameters()}
+
+        def sq(p: Tensor) -> float:
+            return float(torch.linalg.vector_norm(p.detach(), dtype=torch.float64)) ** 2
+
+        own_sq = {n: sq(p) for n, p in zip(self._names, self._params)}  # only what the laws read
 
         def energy(t: Tracked) -> float:
             """Σ‖p‖² of the parameters the law reads; of its whole block when those are all zero (a zero-init bias)."""
-            own = sum(sq[n] for n in set(t.law.params))
+            own = sum(own_sq[n] for n in set(t.law.params))
             if own > 0 or not t.block:
                 return own
-            return sum(v for n, v in sq.items() if n.startswith(t.block + "."))
+            return sum(sq(p) for n, p in self.model.named_parameters() if n.startswith(t.block + "."))
 
         scale = torch.tensor([energy(t) ** (t.law.degree / 2) for t in self.items], dtype=torch.float64)
         zero = norm <= ZERO_BASELINE * scale
