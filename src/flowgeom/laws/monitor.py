@@ -34,12 +34,20 @@ h(θ') = (1 − τλ)^d·h(θ − τg/(1 − τλ)) = (1 − τλ)^d·(h(θ) + O
 O(τ²k) as plain GD (the flow factor e^{dλkτ} leaves an extra O(τλ²t) from
 discretising the decay itself).
 
-Use in any PyTorch loop::
+Use in any PyTorch loop (the record of step k is θ after k updates, so
+measure right after ``opt.step()``; θ_0 is taken at construction)::
 
-    mon = ConservationMonitor(model, every=10, run=run_folder)
+    mon = ConservationMonitor(model, every=10, run=run_folder, optimizer=opt)
     for k in range(steps):
-        mon.step(k)                 # measures (and logs) when k % every == 0
-        loss = ...; loss.backward(); opt.step()
+        loss = ...; loss.backward(); opt.step(); opt.zero_grad()
+        mon.step(k + 1)             # measures (and logs) when (k + 1) % every == 0
+    print(mon.summary()["line"])    # held / broken per law family, and what the optimiser should give
+
+:meth:`ConservationMonitor.verdicts` and :meth:`~ConservationMonitor.summary`
+turn the last record into a verdict per law family (ε_law / ε_control against
+:data:`flowgeom.laws.verdict.HELD_THRESHOLD`) and the behaviour expected from
+the optimiser (:mod:`flowgeom.laws.verdict`). Training-framework callbacks and
+loggers live in :mod:`flowgeom.integrations`.
 
 Evaluation is vectorised: same-shaped laws (e.g. the V/O law of every K/V
 group of every layer) are stacked once into float64 — only the slices they
@@ -75,6 +83,7 @@ measure with float32 weights, e.g. float32 master weights under autocast.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 import warnings
@@ -89,6 +98,7 @@ from flowgeom.errors import FlowgeomError
 from flowgeom.laws.batched import BatchedLaws
 from flowgeom.laws.catalogue import CatalogueEntry, Law
 from flowgeom.laws.locate import FlowgeomWarning, Uncovered, locate_blocks
+from flowgeom.laws.verdict import HELD_THRESHOLD, OptimizerInfo, Verdict, describe_optimizer, family_verdicts, summary_line
 
 ZERO_BASELINE = 1e-8  # ‖h(θ_0)‖ at or below this times the law's parameter scale: normalise by the scale
 
@@ -110,8 +120,16 @@ def warn_plain_gd_only(optimizer: torch.optim.Optimizer | None = None) -> bool:
     return True
 
 
-def is_plain_sgd(optimizer: torch.optim.Optimizer) -> bool:
-    """True for ``torch.optim.SGD`` with momentum 0 and weight decay 0 in every group."""
+def is_plain_sgd(optimizer: Any) -> bool:
+    """True for ``torch.optim.SGD`` with momentum 0 and weight decay 0 in every group.
+
+    Wrappers are looked through (accelerate's ``AcceleratedOptimizer``, which
+    ``transformers.Trainer(optim="sgd")`` hands out, and any object holding an
+    ``.optimizer``): their type is not SGD but their steps are.
+    """
+    from flowgeom.laws.verdict import unwrap_optimizer
+
+    optimizer = unwrap_optimizer(optimizer)
     return type(optimizer) is torch.optim.SGD and all(
         g.get("momentum", 0) == 0 and g.get("weight_decay", 0) == 0 for g in optimizer.param_groups
     )
@@ -201,6 +219,8 @@ class ConservationMonitor:
                                 "(gate/up/down_proj)" + (f"; uncovered: {missed}" if missed else ""))
         self.model, self.every, self.run, self.per_block, self._warn = model, every, run, per_block, warn
         self.weight_decay, self.lr, self.rescale = float(weight_decay), lr, rescale
+        self.optimizer_info: OptimizerInfo | None = describe_optimizer(optimizer) if optimizer is not None else None
+        self.last: dict[str, Any] | None = None  # the latest record (verdicts() reads it)
         if warn:
             warn_plain_gd_only(optimizer)
         named = dict(model.named_parameters())
@@ -259,6 +279,31 @@ class ConservationMonitor:
         """
         return self._batched(self._detached())
 
+    @torch.no_grad()
+    def values_at(self, tensors: Mapping[str, Tensor]) -> Tensor:
+        """Every tracked quantity evaluated at ``tensors`` (by parameter name; missing ones are zeros): (total,).
+
+        For a quadratic law h(θ) = θᵀMθ this is h of e.g. the gradient or the momentum buffer, the
+        finite-step term h(θ − τg) − h(θ) = τ²·h(g) of :mod:`flowgeom.laws.predict`.
+        """
+        full = {n: (tensors[n].detach() if tensors.get(n) is not None else torch.zeros_like(p))
+                for n, p in zip(self._names, self._params)}
+        return self._batched(full)
+
+    @property
+    def param_names(self) -> list[str]:
+        """The parameters the tracked quantities read (sorted)."""
+        return list(self._names)
+
+    def fingerprint(self) -> str:
+        """A digest of what is tracked (law names, counts, parameter names and shapes): equal states only."""
+        h = hashlib.sha256()
+        for t in self.items:
+            h.update(f"{t.kind}|{t.family}|{t.block}|{t.law.name}|{t.law.count}\n".encode())
+        for n, p in zip(self._names, self._params):
+            h.update(f"{n}|{tuple(p.shape)}\n".encode())
+        return h.hexdigest()
+
     def reset(self) -> None:
         """Take the current parameters as θ_0 (refused when the laws are not finite there)."""
         h0 = self.values()
@@ -302,25 +347,37 @@ class ConservationMonitor:
         return sq.sqrt()
 
     @torch.no_grad()
-    def measure(self, *, time: float = 0.0, decay_log: float | None = None) -> dict[str, float]:
-        """ε of every group now.
+    def measure(self, *, time: float = 0.0, decay_log: float | None = None, values: Tensor | None = None
+                ) -> dict[str, float]:
+        """ε of every group now (or of ``values``, a :meth:`values` result taken earlier).
 
         With weight decay each law is rescaled by e^{d·s}: s = λ·``time`` (flow),
         or ``decay_log`` when given (e.g. −k·log(1 − τλ) for discrete SGD).
         """
-        v = self.values()
+        v = self.values() if values is None else values
         if self._degree is not None:
             s = self.weight_decay * time if decay_log is None else decay_log
             v = v * torch.exp(self._degree * s)
-        rel = self._segment_norm(v - self.h0) / self._h0_norm.clamp_min(torch.finfo(torch.float64).tiny)  # (items,)
-        sums = torch.zeros(len(self._keys), dtype=torch.float64).index_add_(0, self._pair_group, rel[self._pair_item])
-        return dict(zip(self._keys, (sums / self._group_size).tolist()))
+        return self.aggregate(self.relative(v))
+
+    def relative(self, v: Tensor, reference: Tensor | None = None) -> Tensor:
+        """‖v_i − ref_i‖ / (ε's denominator) per tracked item: (items,). ``reference`` defaults to h(θ_0)."""
+        ref = self.h0 if reference is None else reference
+        return self._segment_norm(v - ref) / self._h0_norm.clamp_min(torch.finfo(torch.float64).tiny)
+
+    def aggregate(self, per_item: Tensor, prefix: str | None = None) -> dict[str, float]:
+        """Mean of a per-item quantity (items,) over each record group; keys renamed ``<prefix>/…`` if given."""
+        sums = torch.zeros(len(self._keys), dtype=torch.float64).index_add_(0, self._pair_group, per_item[self._pair_item])
+        out = dict(zip(self._keys, (sums / self._group_size).tolist()))
+        if prefix is None:
+            return out
+        return {f"{prefix}/{k.split('/', 1)[1]}": v for k, v in out.items() if k.startswith("eps/")}
 
     def due(self, step: int) -> bool:
         return step % self.every == 0
 
-    def step(self, step: int, *, time: float | None = None, extra: Mapping[str, Any] | None = None
-             ) -> dict[str, Any] | None:
+    def step(self, step: int, *, time: float | None = None, extra: Mapping[str, Any] | None = None,
+             values: Tensor | None = None) -> dict[str, Any] | None:
         """Measure at ``step`` when it is due: returns the record (also logged to ``run``), else None.
 
         ``time`` defaults to ``step * lr`` (needed only with weight decay).
@@ -334,7 +391,7 @@ class ConservationMonitor:
         decay_log = None
         if self.rescale == "sgd" and self.weight_decay:
             decay_log = -step * math.log1p(-self.lr * self.weight_decay)
-        record = {"step": step, **(extra or {}), **self.measure(time=time, decay_log=decay_log)}
+        record = {"step": step, **(extra or {}), **self.measure(time=time, decay_log=decay_log, values=values)}
         if self.uncovered:
             record["uncovered"] = self.uncovered_list()
         if self.zero_baseline:
@@ -343,7 +400,39 @@ class ConservationMonitor:
             record["low_precision"] = list(self.low_precision)
         if self.run is not None:
             self.run.log(record)
+        self.last = record
         return record
+
+    def controls_of(self) -> dict[str, list[str]]:
+        """For each ``eps/<family>``, the ``control/<family>`` keys that have a control in one of its blocks."""
+        blocks: dict[str, set[str]] = {}
+        for t in self.items:
+            if t.kind == "eps":
+                blocks.setdefault(f"eps/{t.family}", set()).add(t.block)
+        return {fam: sorted({f"control/{t.family}" for t in self.items if t.kind == "control" and t.block in bl})
+                for fam, bl in blocks.items()}
+
+    def verdicts(self, record: Mapping[str, Any] | None = None, *, threshold: float = HELD_THRESHOLD) -> list[Verdict]:
+        """Held / broken per law family: ε_law / ε_control of ``record`` (default: the last one) against ``threshold``."""
+        record = self.last if record is None else record
+        if record is None:
+            raise FlowgeomError("no record yet: call monitor.step(k) after an optimiser step before asking for verdicts")
+        return family_verdicts(record, controls_of=self.controls_of(), threshold=threshold,
+                               linear=self.linear_families())
+
+    def summary(self, optimizer: Any = None, *, record: Mapping[str, Any] | None = None,
+                threshold: float = HELD_THRESHOLD) -> dict[str, Any]:
+        """``{step, verdicts, optimizer, line}``: the verdicts and one line with the optimiser's expected behaviour.
+
+        ``optimizer`` defaults to the one given at construction (wrappers are unwrapped).
+        """
+        info = describe_optimizer(optimizer) if optimizer is not None else self.optimizer_info
+        record = self.last if record is None else record
+        verdicts = self.verdicts(record, threshold=threshold)
+        step = record.get("step") if record is not None else None
+        line = summary_line(verdicts, info, step=step, threshold=threshold, rescaled=bool(self.weight_decay))
+        return {"step": step, "threshold": threshold, "verdicts": [v.as_dict() for v in verdicts],
+                "optimizer": info.as_dict() if info is not None else None, "line": line}
 
     def uncovered_list(self) -> list[dict[str, str]]:
         """The blocks no law covers, as ``[{block, reason}]`` (they are not measured)."""
@@ -363,9 +452,15 @@ class ConservationMonitor:
 
     def state_dict(self) -> dict[str, Tensor]:
         """θ_0's law values and ε's denominators (for resume: restore before continuing)."""
-        return {"h0": self.h0.clone(), "denominator": self._h0_norm.clone()}
+        digest = torch.tensor(list(bytes.fromhex(self.fingerprint())), dtype=torch.uint8)
+        return {"h0": self.h0.clone(), "denominator": self._h0_norm.clone(), "fingerprint": digest}
 
     def load_state_dict(self, state: Mapping[str, Tensor]) -> None:
+        """Restore θ_0's values and denominators; a state saved for other laws or shapes is refused."""
+        digest = state.get("fingerprint")
+        if digest is not None and bytes(digest.to(torch.uint8).tolist()).hex() != self.fingerprint():
+            raise FlowgeomError("the saved monitor state was taken on another model (its laws or parameter shapes "
+                                "differ); resume with the model it was saved for, or start a new θ_0 without it")
         h0 = state["h0"]
         if h0.shape != self.h0.shape:
             raise FlowgeomError(f"monitor state has {h0.numel()} values, this monitor tracks {self.h0.numel()}; "

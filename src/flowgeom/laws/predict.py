@@ -1,0 +1,158 @@
+"""Predicted drift of the laws beyond gradient flow (Kunin et al., ICLR 2021, "Neural Mechanics").
+
+Kunin et al. write SGD with step η, momentum β and weight decay λ as the
+*modified equation* (time t = kη; torch's heavy ball v ← βv + g + λθ,
+θ ← θ − ηv; Taylor-expanding θ_{k±1} around θ_k to second order):
+
+    (η/2)(1 + β)·θ̈ + (1 − β)·θ̇ = −∇L(θ) − λθ.
+
+For a quadratic law h(θ) = θᵀMθ of a symmetry, ⟨∇h(θ), ∇L(θ)⟩ = 0 for any
+data, so taking 2Mθ· of both sides, with ḣ = 2θᵀMθ̇ and
+ḧ = 2θ̇ᵀMθ̇ + 2θᵀMθ̈, gives a damped, driven oscillator in h alone:
+
+    (η/2)(1 + β)·ḧ + (1 − β)·ḣ + 2λ·h = η(1 + β)·h(θ̇).
+
+- weight decay, no momentum (β = 0, dropping the O(η) inertia): ḣ = −2λh + η·h(g), i.e.
+  h(t) = e^{−2λt}·h(0) + η∫_0^t e^{−2λ(t−s)}·h(g(s)) ds (Kunin's eq. for rescale symmetries;
+  h(g) = ‖g_A1‖² − ‖g_A2‖² for a rescale law);
+- finite step alone (β = λ = 0): the drift is the η·∫h(g) term, τ²Σ_k h(g_k) per step;
+- momentum β: the oscillator, driven by h(θ̇) with θ̇ = −v (the momentum buffer).
+
+A *linear* law (degree 1: the router sum) has no drive: (η/2)(1 + β)ḧ + (1 − β)ḣ + λh = 0.
+
+Integration. The coefficients (η, β, λ) and the drive change from step to
+step (schedules, new gradients); over one step [t_k, t_k + η_k] they are held
+constant and the 2-D system x = (h, ḣ) is propagated *exactly* by the matrix
+exponential of its augmented 3×3 generator (stable whatever the ratio of the
+fast inertial mode, ~1/η, to the slow decay ~λ). h(0) = h(θ_0), ḣ(0) = 0
+(the momentum buffer starts at zero).
+
+The drive is measured, not modelled: h(v) of the optimiser's momentum buffer
+after each step (β > 0), or h(g) + λ²·h of the gradient before it (β = 0,
+where v = g + λθ and the cross term vanishes by the symmetry). What the
+prediction leaves out — the O(η²) terms of the modified equation, and for
+momentum the failure of ⟨∇h(θ_k), g_j⟩ = 0 for past gradients j < k — is what
+the measured/predicted gap (``pred_err``) shows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from flowgeom.errors import FlowgeomError
+
+
+class DriftPredictor:
+    """Kunin et al.'s predicted h(θ_k) for every conservation law of a :class:`ConservationMonitor`.
+
+    Call :meth:`advance` once per optimiser step with that step's hyper-parameters and drive
+    (:meth:`ConservationMonitor.values_at` of the gradient or momentum buffer); :meth:`compare`
+    gives ``pred/<family>`` (ε of the predicted h) and ``pred_err/<family>`` (‖h − ĥ‖ / ‖h − h_0‖,
+    how far prediction and measurement disagree relative to the drift itself).
+    """
+
+    def __init__(self, monitor: Any):
+        self.monitor = monitor
+        counts = [t.law.count for t in monitor.items]
+        law = [t.kind == "eps" and t.law.degree in (1, 2) for t in monitor.items]
+        self._seg = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))  # (total,)
+        self.covered = torch.tensor(law)[self._seg]  # (total,) laws with a prediction
+        self.degree = torch.tensor([float(t.law.degree) for t in monitor.items], dtype=torch.float64)[self._seg]
+        self.h = monitor.h0.clone()                      # (total,) predicted h
+        self.u = torch.zeros_like(self.h)                # (total,) predicted ḣ
+        self.t = 0.0
+        self.steps = 0
+
+    def reset(self) -> None:
+        self.h, self.u, self.t, self.steps = self.monitor.h0.clone(), torch.zeros_like(self.h), 0.0, 0
+
+    @staticmethod
+    def _propagator(lr: float, momentum: float, rate: float) -> Tensor:
+        """exp(A·η) for A = [[0, 1, 0], [−c/a, −b/a, 1/a], [0, 0, 0]]: (h, ḣ, F) → (h, ḣ) after one step (3, 3)."""
+        a, b = 0.5 * lr * (1.0 + momentum), 1.0 - momentum
+        A = torch.tensor([[0.0, 1.0, 0.0], [-rate / a, -b / a, 1.0 / a], [0.0, 0.0, 0.0]], dtype=torch.float64)
+        return torch.linalg.matrix_exp(A * lr)
+
+    @torch.no_grad()
+    def advance(self, *, lr: float | Tensor, momentum: float = 0.0, weight_decay: float | Tensor = 0.0,
+                drive: Tensor, drive_is_gradient: bool) -> None:
+        """One optimiser step.
+
+        ``drive``: h evaluated at the momentum buffer v_{k+1} (``drive_is_gradient=False``) or at the
+        gradient g_k (True; then β must be 0 and h(v) = h(g) + λ²h). ``lr`` and ``weight_decay`` are
+        scalars or per-quantity tensors (total,) (parameter groups may differ).
+        """
+        if not 0 <= momentum < 1:
+            raise FlowgeomError(f"momentum must lie in [0, 1) for the prediction, got {momentum}")
+        if drive_is_gradient and momentum:
+            raise FlowgeomError("with momentum the drive is h(momentum buffer), not h(gradient)")
+        total = self.h.numel()
+        lr_t = torch.as_tensor(lr, dtype=torch.float64).expand(total)
+        wd_t = torch.as_tensor(weight_decay, dtype=torch.float64).expand(total)
+        if bool((lr_t <= 0).any()):
+            raise FlowgeomError("the prediction needs a positive learning rate at every step")
+        hv = drive.to(torch.float64)
+        if drive_is_gradient:
+            hv = hv + wd_t**2 * self.h  # v = g + λθ, and ⟨∇h, g⟩ = 0: h(v) = h(g) + λ²h(θ)
+        force = torch.where(self.degree == 2, lr_t * (1.0 + momentum) * hv, torch.zeros_like(hv))
+        rate = self.degree * wd_t
+        combos = torch.stack([lr_t, rate], dim=1)  # (total, 2): one propagator per distinct (η, dλ)
+        uniq, inverse = torch.unique(combos, dim=0, return_inverse=True)
+        h, u = self.h.clone(), self.u.clone()
+        for i, (eta, r) in enumerate(uniq.tolist()):
+            idx = inverse == i
+            P = self._propagator(eta, momentum, r)
+            h[idx] = P[0, 0] * self.h[idx] + P[0, 1] * self.u[idx] + P[0, 2] * force[idx]
+            u[idx] = P[1, 0] * self.h[idx] + P[1, 1] * self.u[idx] + P[1, 2] * force[idx]
+        self.h, self.u = h, u
+        self.t += float(lr_t.mean())
+        self.steps += 1
+
+    def compare(self, values: Tensor) -> dict[str, float]:
+        """``pred/<family>`` and ``pred_err/<family>`` for the measured raw law values ``values`` (total,)."""
+        mon = self.monitor
+        zero = torch.zeros_like(self.h)
+        h = torch.where(self.covered, values, zero)
+        hp = torch.where(self.covered, self.h, zero)
+        h0 = torch.where(self.covered, mon.h0, zero)
+        pred = mon.relative(hp, h0)                       # (items,) ε of the prediction
+        gap = mon.relative(h, hp)                         # ‖h − ĥ‖ / denominator
+        drift = mon.relative(h, h0)                       # ‖h − h_0‖ / denominator
+        out = {k: v for k, v in mon.aggregate(pred, "pred").items() if "@" not in k}  # per family only
+        gaps, drifts = mon.aggregate(gap, "g"), mon.aggregate(drift, "g")
+        for key, g in gaps.items():
+            if "@" not in key:
+                d = drifts[key]
+                out[f"pred_err/{key[2:]}"] = g / d if d > 0 else float("nan")
+        return out
+
+    def per_quantity(self, hyper: Mapping[str, Mapping[str, float]], key: str) -> Tensor:
+        """A per-parameter hyper-parameter (``hyper[name][key]``) spread over every quantity (total,), from the
+        first parameter each law reads (a law whose parameters sit in no optimiser group is an error)."""
+        vals = []
+        for t in self.monitor.items:
+            h = hyper.get(t.law.params[0])
+            if h is None:
+                raise FlowgeomError(f"{t.law.params[0]} is in no parameter group of the optimiser: the monitor "
+                                    "cannot see how it is trained; pass the optimiser that trains the model")
+            vals.append(h[key])
+        return torch.tensor(vals, dtype=torch.float64)[self._seg]
+
+
+def hyper_of(optimizer: Any, names: list[str], params: list[Tensor]) -> dict[str, Mapping[str, float]]:
+    """Per monitored parameter name, its group's ``lr``, ``momentum``, ``weight_decay``."""
+    group_of = {}
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            group_of[id(p)] = g
+    out = {}
+    for n, p in zip(names, params):
+        g = group_of.get(id(p))
+        if g is not None:
+            out[n] = {"lr": float(g["lr"]), "momentum": float(g.get("momentum", 0.0) or 0.0),
+                      "weight_decay": float(g.get("weight_decay", 0.0) or 0.0)}
+    return out
