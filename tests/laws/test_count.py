@@ -219,9 +219,22 @@ def test_input_the_module_rejects():
         count(nn.Linear(3, 2), shape_sampler((5,)))
 
 
-def test_missing_input():
-    with pytest.raises(FlowgeomError, match="--input-shape"):
+def test_missing_input_names_the_python_fix():
+    with pytest.raises(FlowgeomError, match=r"pass input_shape=\(4, 8\)") as info:
         count(nn.Linear(3, 2))
+    assert "--input-shape" not in str(info.value)  # a Python user has no flag to pass
+
+
+def test_input_shape_keyword_counts_a_plain_module():
+    chain = nn.Sequential(nn.Linear(3, 4, bias=False), nn.ReLU(), nn.Linear(4, 2, bias=False))
+    res = count(chain, input_shape=(3,))
+    assert (res.parameters, res.laws) == (20, 4)  # one rescaling law per hidden ReLU unit
+    with pytest.raises(FlowgeomError, match=r"rejected an input of shape \(5,\).*input_shape it accepts"):
+        count(chain, input_shape=[5])
+    with pytest.raises(FlowgeomError, match="either sample_input or input_shape"):
+        count(chain, shape_sampler((3,)), input_shape=(3,))
+    with pytest.raises(FlowgeomError, match=r"input_shape must be .* like \(4, 8\)"):
+        count(chain, input_shape=(0, 3))
 
 
 def test_too_large_refused_with_estimate():

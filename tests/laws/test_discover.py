@@ -116,3 +116,11 @@ def test_bad_degree_and_size():
 def test_degree_one_finds_only_linear_laws():
     res = discover(build("moe", seed=0, d_model=2, d_hidden=1, experts=2), degree=1)
     assert sorted(law.formula for law in res.laws) == ["Σ router.weight[:,0]", "Σ router.weight[:,1]"]
+
+
+def test_input_shape_keyword():
+    from torch import nn
+
+    chain = nn.Sequential(nn.Linear(2, 3, bias=False), nn.ReLU(), nn.Linear(3, 2, bias=False))
+    res = discover(chain, input_shape=(2,), seed=0)
+    assert len(res.laws) == 3 and all("0.weight" in law.formula and "2.weight" in law.formula for law in res.laws)

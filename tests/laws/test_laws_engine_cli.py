@@ -77,6 +77,15 @@ def test_rejected_input_shape(capsys, tmp_path):
     assert code == 2 and "rejected an input of shape (5,)" in err
 
 
+def test_cli_input_errors_name_the_flag(capsys, tmp_path):
+    # the engine's own wording is input_shape=...; on the command line the fix is the flag
+    path = tmp_path / "lin.py"
+    path.write_text("from torch import nn\ndef make():\n    return nn.Linear(3, 2)\n")
+    for verb in ("count", "discover"):
+        code, _, err = _run(capsys, "laws", verb, f"{path}:make", "--input-shape", "5")
+        assert code == 2 and "an --input-shape it accepts" in err and "input_shape" not in err
+
+
 def test_register_verbs_on_a_fresh_parser():
     parser = argparse.ArgumentParser()
     register_verbs(parser.add_subparsers(dest="verb"))

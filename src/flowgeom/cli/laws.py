@@ -22,13 +22,13 @@ MAX_FIELDS = 100_000
 
 
 def check_memory(arch: str, options: dict[str, Any], *, n_fields: int) -> tuple[int, int]:
-    """(bytes, D): what :func:`flowgeom.laws.check` needs for ``arch``, estimated on the meta device.
+    """(bytes, D): what :func:`flowgeom.laws.check` needs for ``arch``, estimated (for real when the module is small, else on the meta device).
 
     The check holds two reverse-mode Jacobians: the fields (n_fields, D) and
     the law gradients (law components, D); with autograd's intermediates the
     measured peak is about 4 × 8 bytes × D × (n_fields + components)
     (swiglu --d-hidden 1000 and 3000: 0.5 and 3.8 GiB above the interpreter),
-    plus the activations: jacrev pushes n_fields cotangents back through the
+    plus the activations: the batched backward pushes n_fields cotangents through the
     n_fields-sample batch, so they grow as n_fields² × one sample's forward
     (mha, 64 fields, --seq-len 150 / 500: 4.9 / 23 GiB measured, 10 / 110 GiB
     estimated: deliberately pessimistic, a refusal beats the OOM killer).
@@ -37,21 +37,48 @@ def check_memory(arch: str, options: dict[str, Any], *, n_fields: int) -> tuple[
 
     from flowgeom.laws import catalogue
     from flowgeom.laws.fields import forward_bytes
-    from flowgeom.laws.target import require_buildable
+    from flowgeom.laws.target import require_buildable, small_config
     from flowgeom.nn.zoo import config
 
     require_buildable(arch, options)
     cfg = config(arch, **options)
-    with torch.device("meta"):
-        model = cfg.build()
-        x = model.sample_input(1, torch.Generator())  # (1, ...) on meta: shapes only
+    if small_config(cfg):
+        # Small enough to run for real. Counting on the meta device (or under a dispatch mode)
+        # imports all of torch._dynamo (1–4 s), longer than the whole check at this size.
+        model = cfg.build().double()
+        x = model.sample_input(1, torch.Generator())  # (1, ...)
+        per_sample = saved_bytes(model, x.double() if x.is_floating_point() else x)
+    else:
+        with torch.device("meta"):
+            model = cfg.build()
+        x = model.sample_input(1, torch.Generator()).to("meta")  # (1, ...) shapes only
+        per_sample = forward_bytes(model.double(), x.double() if x.is_floating_point() else x)
     model.arch_name, model.arch_config = arch, cfg
     entry = catalogue(model)
     components = sum(law.count for law in entry.laws + entry.controls + entry.refuted)
     d = sum(p.numel() for p in model.parameters())
-    per_sample = forward_bytes(model.double(), x.double() if x.is_floating_point() else x)
-    activations = n_fields * (3 + n_fields) * per_sample  # jacrev's B cotangents each flow back through B samples
+    activations = n_fields * (3 + n_fields) * per_sample  # the B batched cotangents each flow back through B samples
     return 4 * 8 * d * (n_fields + components) + activations, d
+
+
+def saved_bytes(model, x) -> int:
+    """Bytes of the tensors autograd saves for backward in one forward ``model(x)`` (real tensors).
+
+    The activations a reverse-mode Jacobian keeps, seen through autograd's own pack hook:
+    no dispatch mode, so nothing imports ``torch._dynamo``.
+    """
+    import torch
+
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x)
+    return total
 
 
 def require_check_memory(arch: str, options: dict[str, Any], *, n_fields: int, max_memory: int | None = None) -> None:

@@ -8,6 +8,7 @@ or ``package.module:NAME``. :func:`register_verbs` adds the two verbs to the
 from __future__ import annotations
 
 import argparse
+from contextlib import contextmanager
 
 from rich.markup import escape
 
@@ -69,6 +70,17 @@ def _resolve(args: argparse.Namespace):
     return target, device, getattr(torch, args.dtype)
 
 
+@contextmanager
+def cli_input_errors():
+    """The engine's input errors name ``input_shape=``; here the fix is the ``--input-shape`` flag."""
+    from flowgeom.laws.count import InputError
+
+    try:
+        yield
+    except InputError as exc:
+        raise exc.for_cli() from None
+
+
 def _fmt(values: list[float]) -> str:
     return ", ".join(f"{v:.1e}" for v in values) or "-"
 
@@ -77,8 +89,9 @@ def _count(args: argparse.Namespace) -> int:
     from flowgeom.laws.count import count
 
     target, device, dtype = _resolve(args)
-    res = count(target.module, target.sampler, seed=args.seed, dtype=dtype, device=device, max_depth=args.max_depth,
-                tol=args.tol)
+    with cli_input_errors():
+        res = count(target.module, target.sampler, seed=args.seed, dtype=dtype, device=device, max_depth=args.max_depth,
+                    tol=args.tol)
     hf_config = getattr(target, "config", None)  # hf: targets: the tiny config values used
     payload = {"target": target.label} | ({"config": hf_config} if hf_config else {}) | res.to_dict()
     if args.json:
@@ -118,8 +131,9 @@ def _discover(args: argparse.Namespace) -> int:
     from flowgeom.laws.discover import discover
 
     target, device, dtype = _resolve(args)
-    res = discover(target.module, target.sampler, degree=args.degree, seed=args.seed, dtype=dtype, device=device,
-                   max_parameters=args.max_parameters)
+    with cli_input_errors():
+        res = discover(target.module, target.sampler, degree=args.degree, seed=args.seed, dtype=dtype, device=device,
+                       max_parameters=args.max_parameters)
     if args.json:
         print_json({"target": target.label} | res.to_dict())
         return 0

@@ -14,12 +14,13 @@ shows O(1e-2..1), so the check demonstrably fails when it should.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, grad, jacrev
+from torch.func import functional_call  # forward only; reverse mode below is plain torch.autograd
 
 from flowgeom.errors import FlowgeomError
 from flowgeom.laws.catalogue import Law
@@ -87,13 +88,31 @@ def field_matrix(model: nn.Module, params: dict[str, Tensor], buffers: dict[str,
     with torch.no_grad():
         y = functional_call(model, (params, buffers), (x,))
     c = torch.randn(y.shape, generator=gen, dtype=y.dtype)
+    p = {n: t.detach().requires_grad_(True) for n, t in params.items()}
+    with torch.enable_grad():
+        scalars = (functional_call(model, (p, buffers), (x,)) * c).flatten(1).sum(1)  # (B,)
+        return torch.cat([j.flatten(1) for j in _jacobian(scalars, list(p.values()))], dim=1)
 
-    def scalars(p):  # (B,)
-        out = functional_call(model, (p, buffers), (x,))
-        return (out * c).flatten(1).sum(1)
 
-    jac = jacrev(scalars)(params)  # {name: (B, *shape)}
-    return torch.cat([jac[n].flatten(1) for n in params], dim=1)
+def _jacobian(out: Tensor, inputs: list[Tensor]) -> list[Tensor]:
+    """d out / d inputs for a 1-D ``out`` (n,): one (n, *input.shape) block per input.
+
+    Plain ``torch.autograd``, not ``torch.func.jacrev``: the first torch.func reverse-mode
+    call imports all of ``torch._dynamo`` (1–4 s per process), and batched cotangents
+    (``is_grads_batched``) import sympy through torch.fx (~0.5 s). ``flowgeom laws list``
+    checks 16 modules in ~0.2 s, so a fresh process takes one backward pass per row; once
+    sympy is loaded anyway (any torch.fx/torch.func user in the process) the batched pass,
+    ~3× faster warm, is used. Both give the same rows (tests/laws/test_check_jacobian.py).
+    """
+    n = out.numel()
+    if "sympy" in sys.modules:
+        eye = torch.eye(n, dtype=out.dtype, device=out.device)  # (n, n) one cotangent per output
+        grads = torch.autograd.grad(out, inputs, eye, is_grads_batched=True, allow_unused=True)
+        return [torch.zeros(n, *t.shape, dtype=t.dtype, device=t.device) if g is None else g
+                for g, t in zip(grads, inputs)]
+    rows = [torch.autograd.grad(out[i], inputs, retain_graph=i < n - 1, allow_unused=True) for i in range(n)]
+    return [torch.stack([torch.zeros_like(t) if r[k] is None else r[k] for r in rows]) if n else
+            torch.zeros(0, *t.shape, dtype=t.dtype, device=t.device) for k, t in enumerate(inputs)]
 
 
 def law_gradients(laws: Sequence[Law], params: dict[str, Tensor]) -> list[Tensor]:
@@ -106,8 +125,11 @@ def law_gradients(laws: Sequence[Law], params: dict[str, Tensor]) -> list[Tensor
         if missing:
             raise FlowgeomError(f"law {law.name!r} uses parameters not in the model: {', '.join(missing)}")
     total = sum(law.count for law in laws)
-    jac = jacrev(lambda p: torch.cat([law.evaluate(p).reshape(-1) for law in laws]))(params)  # {name: (total, *shape)}
-    G = torch.cat([jac[n].reshape(total, -1) for n in params], dim=1)  # (total, D)
+    p = {n: t.detach().requires_grad_(True) for n, t in params.items()}
+    with torch.enable_grad():
+        values = torch.cat([law.evaluate(p).reshape(-1) for law in laws])  # (total,)
+        jac = _jacobian(values, list(p.values()))  # one (total, *shape) block per parameter
+    G = torch.cat([j.reshape(total, -1) for j in jac], dim=1)  # (total, D)
     return list(G.split([law.count for law in laws]))
 
 
@@ -161,10 +183,10 @@ def flow_rate(model: nn.Module, law: Law, *, batch: int = 32, seed: int = 0, dty
     with torch.no_grad():
         y = torch.randn(functional_call(model, (params, buffers), (x,)).shape, generator=gen, dtype=dtype)
 
-    def loss(p):
-        return 0.5 * ((functional_call(model, (p, buffers), (x,)) - y) ** 2).sum() / batch
-
-    g = grad(loss)(params)
-    gL = torch.cat([g[n].flatten() for n in params])
+    p = {n: t.detach().requires_grad_(True) for n, t in params.items()}
+    with torch.enable_grad():
+        loss = 0.5 * ((functional_call(model, (p, buffers), (x,)) - y) ** 2).sum() / batch
+        g = torch.autograd.grad(loss, list(p.values()), allow_unused=True)
+    gL = torch.cat([torch.zeros_like(t).flatten() if gi is None else gi.flatten() for gi, t in zip(g, p.values())])
     (G,) = law_gradients([law], params)  # (count, D)
     return (G @ gL).abs() / (G.norm(dim=1) * gL.norm()).clamp_min(torch.finfo(dtype).tiny)

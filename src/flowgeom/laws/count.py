@@ -33,17 +33,61 @@ from __future__ import annotations
 import copy
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import nn
 
 from flowgeom.errors import FlowgeomError
-from flowgeom.laws.fields import FieldModel, Sampler, draw_inputs, generator, module_sampler
+from flowgeom.laws.fields import FieldModel, Sampler, draw_inputs, generator, module_sampler, shape_sampler
 from flowgeom.laws.precision import assess, eager_attention, gap_notes, tolerance_for
 from flowgeom.memory import available_memory
 
 DEFAULT_TOL = {torch.float64: 1e-9, torch.float32: 1e-4}
+
+
+class InputError(FlowgeomError):
+    """A problem with the module's inputs, whose fix depends on where the user is.
+
+    ``str(exc)`` names the Python fix (``input_shape=(4, 8)``); the CLI re-raises
+    :meth:`for_cli`, which names the flag (``--input-shape 4,8``) instead.
+    """
+
+    def __init__(self, problem: str, *, python_fix: str, cli_fix: str):
+        super().__init__(f"{problem}; {python_fix}")
+        self.problem, self.cli_fix = problem, cli_fix
+
+    def for_cli(self) -> FlowgeomError:
+        return FlowgeomError(f"{self.problem}; {self.cli_fix}")
+
+
+def input_sampler(module: nn.Module, sample_input: Sampler | None, input_shape) -> Sampler:
+    """The sampler of one run: ``sample_input`` or ``input_shape`` when given (not both), else ``module.sample_input``.
+
+    ``input_shape`` is the shape of *one* input, without the batch dimension: ``(4, 8)`` for a
+    module that takes ``(batch, 4, 8)``.
+    """
+    if input_shape is not None:
+        if sample_input is not None:
+            raise FlowgeomError("pass either sample_input or input_shape, not both")
+        from flowgeom.laws.target import parse_shape
+
+        try:
+            shape = parse_shape(input_shape)
+        except FlowgeomError as exc:
+            raise FlowgeomError(str(exc).replace("--input-shape", "input_shape").replace(" like 4,8", " like (4, 8)")
+                                .replace("comma-separated ", "")) from None
+        return shape_sampler(shape)
+    if sample_input is not None:
+        return sample_input
+    if not callable(getattr(module, "sample_input", None)):
+        raise InputError(f"{type(module).__name__} has no sample_input(batch, generator) to draw inputs from",
+                         python_fix="pass input_shape=(4, 8), the shape of one input without the batch dimension, "
+                                    "or give the module a sample_input(batch, generator) method",
+                         cli_fix="pass --input-shape 4,8, the shape of one input without the batch dimension, "
+                                 "or give the module a sample_input(batch, generator) method")
+    return module_sampler(module)
 
 
 @dataclass
@@ -227,7 +271,8 @@ def frozen_note(frozen: list[str]) -> list[str]:
             "not coordinates: D counts the trained parameters only"]
 
 
-def prepare(module: nn.Module, sample_input: Sampler | None, *, dtype, device) -> tuple[nn.Module, Sampler, list[str]]:
+def prepare(module: nn.Module, sample_input: Sampler | None, *, dtype, device,
+            input_shape=None) -> tuple[nn.Module, Sampler, list[str]]:
     """A float copy of ``module`` on ``device`` (frozen parameters as constants), its input sampler and the
     frozen parameters' names; FlowgeomError if unusable."""
     if not isinstance(module, nn.Module):
@@ -240,10 +285,7 @@ def prepare(module: nn.Module, sample_input: Sampler | None, *, dtype, device) -
         raise FlowgeomError(f"every parameter of {type(module).__name__} is frozen (requires_grad=False): gradient flow "
                             "moves nothing, so every function of θ is trivially conserved; unfreeze the parameters "
                             "you train (module.requires_grad_(True))")
-    if sample_input is None:
-        if not callable(getattr(module, "sample_input", None)):
-            raise FlowgeomError(f"{type(module).__name__} has no sample_input(batch, generator); pass an input shape (--input-shape 4,8)")
-        sample_input = module_sampler(module)
+    sample_input = input_sampler(module, sample_input, input_shape)
     work = trainable_only(module).to(device=device, dtype=dtype)  # a deep copy; frozen tensors as buffers
     return work, sample_input, frozen
 
@@ -279,7 +321,9 @@ def probe_output(model: FieldModel, theta: torch.Tensor, sampler: Sampler, gener
         raise
     except Exception as exc:  # the module rejected the input: say so in one line
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise FlowgeomError(f"the module rejected an input of shape {tuple(x.shape)}: {msg}; pass a shape it accepts (--input-shape)") from None
+        raise InputError(f"the module rejected an input of shape {tuple(x.shape)}: {msg}",
+                         python_fix="pass an input_shape it accepts (one input, without the batch dimension)",
+                         cli_fix="pass an --input-shape it accepts (one input, without the batch dimension)") from None
     if not isinstance(y, torch.Tensor) or not y.is_floating_point():
         got = type(y).__name__ if not isinstance(y, torch.Tensor) else f"a {str(y.dtype).replace('torch.', '')} tensor"
         raise FlowgeomError(f"the module must return one floating-point tensor, got {got}; wrap it to return a float tensor")
@@ -380,11 +424,14 @@ def count(
     per_field: int = 16,
     max_memory: int | None = None,
     check_precision: bool = True,
+    input_shape: Sequence[int] | None = None,
 ) -> CountResult:
     """Number of independent conservation laws of ``module`` at a random θ.
 
-    ``sample_input(n, generator)`` returns ``n`` valid module inputs stacked on
-    dim 0 (default: ``module.sample_input``); each drawn field sums the
+    Inputs: ``input_shape`` (one input, without the batch dimension: ``(4, 8)`` for a
+    module called on ``(batch, 4, 8)``; standard normal), or ``sample_input(n, generator)``
+    returning ``n`` valid module inputs stacked on dim 0, or by default the module's own
+    ``sample_input(batch, generator)`` method. Each drawn field sums the
     generators of ``per_field`` inputs with random output weights. ``at`` is
     ``"random"`` (a generic point on the module's scale) or ``"module"`` (its
     current weights). Raises FlowgeomError for a module without parameters, an
@@ -403,7 +450,7 @@ def count(
                             f"{patience}, {block}, {per_field} and max_depth {max_depth}")
     check_tolerance(tol, dtype)
     generator(seed)  # a bad seed is refused before any work
-    work, sampler, frozen = prepare(module, sample_input, dtype=dtype, device=device)
+    work, sampler, frozen = prepare(module, sample_input, dtype=dtype, device=device, input_shape=input_shape)
     switched = eager_attention(work)  # sdpa/flash have no forward-mode AD; eager is the same function
     model = FieldModel(work)
     d = model.layout.size
@@ -420,8 +467,10 @@ def count(
     out_shape = probe_output(model, theta, sampler, gen, dtype=dtype, device=device)
     io = io_estimate(sampler, out_shape, block * per_field, bytes_per=torch.empty(0, dtype=dtype).element_size())
     if io > limit:
-        raise FlowgeomError(f"the {block * per_field:,} inputs and output weights of one block need about {io / 2**30:.1f} GiB, "
-                            f"more than the {limit / 2**30:.1f} GiB available; use a smaller --input-shape or module output")
+        raise InputError(f"the {block * per_field:,} inputs and output weights of one block need about {io / 2**30:.1f} GiB, "
+                         f"more than the {limit / 2**30:.1f} GiB available",
+                         python_fix="use a smaller input_shape or module output",
+                         cli_fix="use a smaller --input-shape or module output")
     source = FieldSource(model, theta, sampler, out_shape, gen, per_field=per_field, dtype=dtype, device=device)
     prec = assess(model, theta, sampler, out_shape, seed=seed, dtype=dtype, device=device, per_field=per_field) if check_precision else None
     default_tol = DEFAULT_TOL.get(dtype, 1e-6)

@@ -27,6 +27,7 @@ echelon form makes the basis sparse before it is printed in parameter names.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -322,8 +323,13 @@ def discover(
     device: str | torch.device = "cpu",
     extra_points: int = 4,
     max_parameters: int = 300,
+    input_shape: Sequence[int] | None = None,
 ) -> DiscoverResult:
-    """A sparse basis of the polynomial laws θᵀAθ + bᵀθ (``degree`` 2) or bᵀθ (``degree`` 1)."""
+    """A sparse basis of the polynomial laws θᵀAθ + bᵀθ (``degree`` 2) or bᵀθ (``degree`` 1).
+
+    Inputs as in :func:`flowgeom.laws.count.count`: ``input_shape`` (one input, without the
+    batch dimension), a ``sample_input(n, generator)`` callable, or the module's own method.
+    """
     start = time.perf_counter()
     if degree not in (1, 2):
         raise FlowgeomError(f"degree {degree!r} is not supported; choose 1 (linear) or 2 (quadratic) laws")
@@ -331,7 +337,7 @@ def discover(
         raise FlowgeomError(f"extra_points and max_parameters must be >= 1, got {extra_points} and {max_parameters}")
     generator(seed)  # a bad seed is refused before any work
     device = torch.device(device)
-    work, sampler, frozen = prepare(module, sample_input, dtype=dtype, device=device)
+    work, sampler, frozen = prepare(module, sample_input, dtype=dtype, device=device, input_shape=input_shape)
     model = FieldModel(work)
     d = model.layout.size
     if d > max_parameters:

@@ -129,6 +129,23 @@ def _instantiate(obj: Any, where: str) -> nn.Module:
     return module
 
 
+SMALL_BOUND = 1 << 20  # parameters (8 MiB in float64): a zoo module this small is cheaper to build than to measure on meta
+
+
+def small_config(cfg: Any) -> bool:
+    """True when zoo config ``cfg`` surely has at most :data:`SMALL_BOUND` parameters and buffers.
+
+    Every zoo tensor's size is a product of at most three of the config's integer sizes
+    (experts × d_model × d_hidden, heads × d_k × d_model, seq_len × d_k, ...), each
+    coefficient at most 4, so 8 · (1 + Σ sizes)³ bounds the total without building anything.
+    """
+    sizes = []
+    for value in vars(cfg).values():
+        items = value if isinstance(value, (list, tuple)) else [value]
+        sizes += [v for v in items if isinstance(v, int) and not isinstance(v, bool)]
+    return 8 * (1 + sum(abs(v) for v in sizes)) ** 3 <= SMALL_BOUND
+
+
 def require_buildable(arch: str, size_options: dict[str, Any], *, max_memory: int | None = None) -> int:
     """Parameters D of zoo ``arch`` at ``size_options``, counted on the meta device (nothing allocated).
 
@@ -140,8 +157,13 @@ def require_buildable(arch: str, size_options: dict[str, Any], *, max_memory: in
     from flowgeom.nn.zoo import config
 
     cfg = config(arch, **size_options)
-    with torch.device("meta"):
+    if small_config(cfg):
+        # Built for real: any op on the meta device imports all of torch._dynamo (1–4 s per
+        # process), longer than building a module this small
         d = sum(p.numel() for p in cfg.build().parameters())
+    else:
+        with torch.device("meta"):
+            d = sum(p.numel() for p in cfg.build().parameters())
     need = 4 * 8 * d
     limit = max_memory if max_memory is not None else int(0.8 * available_memory(torch.device("cpu")))
     if need > limit:
