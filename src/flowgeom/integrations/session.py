@@ -196,6 +196,10 @@ class MonitorSession:
             raise FlowgeomError(f"the monitor state in {shown(folder)} was saved for another model (its laws or "
                                 "parameter shapes differ): refused; resume with the model it was saved for, or "
                                 "pass rebase=True to start a new θ_0")
+        self.restore(state)
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Restore a :meth:`state` (fingerprint checked by the monitor too)."""
         self.monitor.load_state_dict(state["monitor"])
         pr, saved = self.predictor, state.get("predictor")
         if pr is not None and saved is not None:
@@ -203,7 +207,7 @@ class MonitorSession:
             pr.t, pr.steps = float(saved["t"]), int(saved["steps"])
         elif pr is not None:  # saved without a prediction: it cannot restart mid-run
             self.predictor = None
-        self.history = list(state.get("history") or [])
+        self.history = [dict(h) for h in state.get("history") or []]
 
     # ------------------------------------------------------------------ the end
 
