@@ -1,4 +1,4 @@
-"""``flowgeom conserve run|scaling``: drift of the conservation laws in real training."""
+"""``flowgeom conserve run|scaling|drift``: drift of the conservation laws in real training and in saved checkpoints."""
 
 from __future__ import annotations
 
@@ -100,8 +100,9 @@ def run_cmd(args: argparse.Namespace) -> int:
         figures[regime] = str(plot_grid(sel, out / "figures" / f"drift_{regime}.png",
                                         title=f"{'full-batch GD' if regime == 'gd' else 'mini-batch SGD'}, {base.optimizer}"))
     uncovered = _uncovered(rows)
+    verdict = _run_verdicts(rows, base)
     payload = {"out": str(out), "config": dataclasses.asdict(base), "runs": rows, "figures": figures,
-               "uncovered": uncovered}
+               "uncovered": uncovered, "verdict": verdict}
     if uncovered:  # once for the whole grid
         print("flowgeom: warning: not covered by any law, not measured: "
               + "; ".join(f"{u['block'] or '<model>'} ({u['reason']})" for u in uncovered), file=sys.stderr)
@@ -109,11 +110,27 @@ def run_cmd(args: argparse.Namespace) -> int:
         print_json(payload)
     else:
         _print_runs(rows, figures)
+        console().print(verdict["line"], soft_wrap=True)
     diverged = [r for r in rows if r.get("diverged")]
     if diverged:
         raise FlowgeomError(f"{len(diverged)} of {len(rows)} runs diverged (kept, flagged in the table); first: "
                             f"{diverged[0]['message']}")
     return 0
+
+
+def _run_verdicts(rows: list[dict[str, Any]], base) -> dict[str, Any]:
+    """Held / broken per law family at each run's last step, and one line with the optimiser's expected behaviour."""
+    from flowgeom.laws.verdict import family_verdicts, info_of_kind, summary_line
+
+    kind = {"sgd": "sgd+wd" if base.weight_decay else "sgd", "momentum": "momentum", "adam": "adam"}[base.optimizer]
+    info = info_of_kind(kind, lr=None)
+    verdicts = []
+    for r in rows:
+        if not r.get("diverged"):
+            r["verdicts"] = [v.as_dict() for v in family_verdicts(r)]
+            verdicts += family_verdicts(r)
+    line = summary_line(verdicts, info).replace("flowgeom: ", f"flowgeom: {len(rows)} run(s), per run and family: ", 1)
+    return {"optimizer": info.as_dict(), "line": line}
 
 
 def _print_runs(rows: list[dict[str, Any]], figures: dict[str, str]) -> None:
@@ -122,18 +139,20 @@ def _print_runs(rows: list[dict[str, Any]], figures: dict[str, str]) -> None:
     from flowgeom.experiments.conservation import _mean
 
     table = Table(title="conservation drift ε at the last step (mean over families)")
-    for col in ("regime", "arch", "lr", "seed", "loss", "ε laws", "worst law family", "ε controls", "ε refuted"):
+    for col in ("regime", "arch", "lr", "seed", "loss", "ε laws", "worst law family", "ε controls", "ε refuted",
+                "held"):
         table.add_column(col, justify="right" if col in ("lr", "seed", "loss") or col.startswith("ε") else "left")
     for r in rows:
         if r.get("diverged"):
-            table.add_row(r["regime"], r["arch"], f"{r['lr']:g}", str(r["seed"]), "diverged", "", "", "", "")
+            table.add_row(r["regime"], r["arch"], f"{r['lr']:g}", str(r["seed"]), "diverged", "", "", "", "", "")
             continue
         fam = {k: v for k, v in r.items() if k.startswith("eps/")}
         worst = max(fam, key=fam.get)
         refuted = _mean(r, "refuted")
         table.add_row(r["regime"], r["arch"], f"{r['lr']:g}", str(r["seed"]), f"{r['loss']:.3f}",
                       f"{_mean(r, 'eps'):.2e}", f"{worst[4:]} {fam[worst]:.2e}", f"{_mean(r, 'control'):.2e}",
-                      "" if refuted != refuted else f"{refuted:.2e}")
+                      "" if refuted != refuted else f"{refuted:.2e}",
+                      f"{sum(v['verdict'] == 'held' for v in r['verdicts'])}/{len(r['verdicts'])}")
     con = console()
     con.print(table)
     for regime, path in figures.items():
@@ -196,6 +215,60 @@ def _print_scaling(result: dict[str, Any]) -> None:
     con.print(f"figure: {result['figure']}")
 
 
+def drift_cmd(args: argparse.Namespace) -> int:
+    from flowgeom.integrations.checkpoints import checkpoint_drift
+
+    apply_threads(args.threads)
+    with _progress(not args.json) as say, _quiet_uncovered():
+        result = checkpoint_drift(args.checkpoints, config=args.config, optimizer_kind=args.optimizer,
+                                  threshold=args.threshold, figure=args.figure, heads=args.heads,
+                                  positions=args.positions, progress=say)
+    if result["uncovered"]:
+        print("flowgeom: warning: not covered by any law, not measured: "
+              + "; ".join(f"{u['block'] or '<model>'} ({u['reason']})" for u in result["uncovered"]), file=sys.stderr)
+    if args.json:
+        print_json(result)
+        return 0
+    _print_drift(result)
+    return 0
+
+
+def _print_drift(result: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    records = result["records"]
+    families = sorted(k[4:] for k in records[-1] if k.startswith("eps/") and "@" not in k)
+    table = Table(title=f"{result['model_type']}: ε of each law family against {Path(result['checkpoints'][0]).name} "
+                        "(ε_law / ε_control in brackets)")
+    table.add_column("step", justify="right")
+    table.add_column("checkpoint")
+    for fam in families:
+        table.add_column(fam, justify="right")
+    for r in records:
+        cells = []
+        for fam in families:
+            ratio = r.get(f"ratio/{fam}")
+            cells.append(f"{r[f'eps/{fam}']:.2e}" + ("" if ratio is None or ratio != ratio else f" [{ratio:.2g}]"))
+        table.add_row(str(r["step"]), Path(r["checkpoint"]).name, *cells)
+    con = console()
+    con.print(table)
+    for v in result["summary"]["verdicts"]:
+        con.print(f"  {v['family']:22s} {v['verdict']:7s} ε_law/ε_control = {v['ratio']:.3g}")
+    con.print(result["summary"]["line"], soft_wrap=True)
+    if "figure" in result:
+        con.print(f"figure: {result['figure']}")
+
+
+def _threshold(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid threshold {text!r}: a number in (0, 1), e.g. 0.1") from None
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"threshold {value:g} must lie in (0, 1), e.g. 0.1")
+    return value
+
+
 SCALE_HELP = {"quick": "laptop-scale defaults (< 3 min on 2 cores)",
               "cpu": "the quick models trained 20x longer, SGD only (~1 min a run on one core)",
               "full": "paper-scale configuration (GPU / cluster; give dataset paths)"}
@@ -249,3 +322,26 @@ def register(sub) -> None:
                    help="step size τ in (0, 1e6] (repeatable, distinct; ≥ 3 values)")
     p.add_argument("--decay-steps", type=bounded_int(4, 10**9), default=None,
                    help="length of the constant vs τ0/(k+1) schedule runs (default: preset)")
+    p = command(verbs, "drift", help="ε of the laws at each saved checkpoint against the first, with verdicts; no "
+                                     "training code touched",
+                example="flowgeom conserve drift out/checkpoint-*\n"
+                        "flowgeom conserve drift run/step0 run/step100 --optimizer momentum --figure drift.png\n"
+                        "flowgeom conserve drift w0.safetensors w1.safetensors --config config.json --json",
+                func=drift_cmd)
+    p.add_argument("checkpoints", nargs="+", metavar="CHECKPOINT",
+                   help="HF Trainer checkpoint-N folders, save_pretrained folders or .safetensors files (≥ 2; "
+                        "sorted by step; the first is θ_0)")
+    p.add_argument("--config", default=None, help="config.json for bare .safetensors files (default: the one beside them)")
+    from flowgeom.laws.verdict import HELD_THRESHOLD, KINDS
+
+    p.add_argument("--optimizer", choices=KINDS, default=None,
+                   help="how the series was trained, for the expected behaviour (default: read from the monitor "
+                        "state a ConservationCallback saved, else none)")
+    p.add_argument("--threshold", type=_threshold, default=HELD_THRESHOLD,
+                   help=f"held when ε_law/ε_control is below this (default {HELD_THRESHOLD})")
+    p.add_argument("--figure", default=None, help="write ε against step (laws, controls) to this PNG/PDF/SVG")
+    p.add_argument("--heads", type=positive_int, default=None, help="attention heads, when the model does not say")
+    p.add_argument("--positions", choices=("none", "sinusoidal", "rope"), default=None,
+                   help="attention positions, when the model does not say")
+    add_threads(p, help="torch CPU threads, 1..CPUs (default 1)")
+    add_json(p)
