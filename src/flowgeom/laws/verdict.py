@@ -187,7 +187,7 @@ def summary_line(verdicts: Sequence[Verdict], info: OptimizerInfo | None, *, ste
         hp = [f"lr={info.lr:g}"] if info.lr is not None else []
         hp += [f"momentum={info.momentum:g}"] if info.momentum else []
         hp += [f"weight_decay={info.weight_decay:g}"] if info.weight_decay else []
-        opt = f"{info.name}({', '.join(hp)}): "
+        opt = f"{info.name}({', '.join(hp)}): " if hp else f"{info.name}: "
     if not held and not broken:
         counts = "no verdict yet (the controls have not moved)"
     else:
