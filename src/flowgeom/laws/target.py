@@ -221,5 +221,6 @@ def resolve(target: str, *, size_options: dict[str, Any] | None = None, input_sh
     elif shape is not None:
         sampler = shape_sampler(shape)
     else:
-        raise FlowgeomError(f"{label} has no sample_input(batch, generator); pass --input-shape (e.g. --input-shape 4,8)")
+        raise FlowgeomError(f"{label} has no sample_input(batch, generator); pass --input-shape, the shape of one input "
+                            "without the batch dimension (e.g. --input-shape 4,8 for inputs of shape (batch, 4, 8))")
     return Target(module=module, sampler=sampler, label=label, arch=arch)
