@@ -1,31 +1,48 @@
 """``flowgeom demo``: the quick tour that ``make demo`` runs.
 
 1. the law catalogue with its float64 check (seconds);
-2. catalogue count vs the numeric engine's count for every zoo row (seconds);
+2. catalogue count vs the numeric engine's count for every zoo row (a line per row);
 3. ``flowgeom reproduce all --quick``: every seed claim as a resumable sweep
    (conservation drift and the fitted τ-slope, the SmolLM2 continuity table and
    heatmap, the residual-MLP ablation table, the Villani verdicts and the Darcy
-   norm-growth plot), ending with the path of the HTML report (~2–3 min on 2 cores).
+   norm-growth plot), with a progress line per run and a heartbeat at least
+   every 10 s (runs done / total, the current run, elapsed, ETA).
+
+It ends with where the report is and how long the tour took here against the
+figure the README states (:data:`README_TOUR_SECONDS`; ``tests/cli/test_demo.py``
+keeps the two in step).
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 
 from flowgeom.cli._common import command, console
+
+# What the README says the tour takes (measured with `make demo`, docs/benchmarks.md).
+README_TOUR_SECONDS = 6 * 60
+README_TOUR = "about 6 minutes on 2 idle cores"
 
 
 def run_demo(args: argparse.Namespace) -> int:
     from flowgeom.cli.laws import print_catalogue_table
-    from flowgeom.cli.laws_engine import print_count_table
+    from flowgeom.cli.laws_engine import count_rows, print_count_table
     from flowgeom.cli.reproduce import exit_code, print_summary
     from flowgeom.reproduce.pipeline import run
+    from flowgeom.reproduce.progress import duration
 
+    t0 = time.monotonic()
     out = console()
     out.rule("1/3  conservation-law catalogue (closed forms, checked by autograd in float64)")
     print_catalogue_table()
     out.rule("2/3  catalogue count vs numeric count D − dim Lie(W)(θ)")
-    print_count_table()
+
+    def row_done(i: int, total: int, row: dict) -> None:
+        out.print(f"count [{i}/{total}] {row['label']}: {row['numeric']} laws, {row['seconds']:.1f}s "
+                  f"· elapsed {duration(time.monotonic() - t0)}", markup=False, highlight=False)
+
+    print_count_table(count_rows(on_row=row_done))
     if args.skip_reproduce:
         return 0
     out.rule("3/3  every seed claim: flowgeom reproduce all --quick")
@@ -33,7 +50,20 @@ def run_demo(args: argparse.Namespace) -> int:
     report = run("all", scale="quick", out=args.out, resume=True, skip_heavy=True)
     print_summary(report)
     _print_left_out(out)
+    out.print(tour_line(time.monotonic() - t0, kept=report["sweep"]["skipped"]), markup=False, highlight=False)
+    out.print(f"report: {report['paths']['html']}", markup=False, highlight=False)
     return exit_code(report)
+
+
+def tour_line(seconds: float, *, kept: int = 0) -> str:
+    """How long the tour took here, against the README's figure (and why a rerun is faster)."""
+    from flowgeom.reproduce.progress import duration
+
+    ratio = seconds / README_TOUR_SECONDS
+    line = f"tour: {duration(seconds)} on this machine; the README states {README_TOUR} ({ratio:.1f}× that)"
+    if kept:
+        line += f"; {kept} runs were kept from an earlier tour (delete the --out folder to time a full one)"
+    return line
 
 
 def _print_left_out(out) -> None:

@@ -150,8 +150,11 @@ def _discover(args: argparse.Namespace) -> int:
     return 0
 
 
-def count_rows(*, seed: int = 0) -> list[dict]:
-    """Catalogue count vs numeric count for every catalogue variant (for ``make demo``)."""
+def count_rows(*, seed: int = 0, on_row=None) -> list[dict]:
+    """Catalogue count vs numeric count for every catalogue variant (for ``make demo``).
+
+    ``on_row(i, total, row)`` is called after each row (the demo's progress line).
+    """
     from flowgeom.laws.catalogue import VARIANTS
     from flowgeom.laws.count import count
     from flowgeom.nn import build
@@ -164,6 +167,8 @@ def count_rows(*, seed: int = 0) -> list[dict]:
                      "parameters": res.parameters, "catalogue": res.expected, "numeric": res.laws,
                      "ranks_by_depth": res.ranks_by_depth, "gap_ratio": res.gap["ratio"], "seconds": res.seconds,
                      "match": res.expected == res.laws, "finding": finding})
+        if on_row is not None:
+            on_row(len(rows), len(VARIANTS), rows[-1])
     return rows
 
 

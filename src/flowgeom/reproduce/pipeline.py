@@ -34,14 +34,6 @@ def default_out(scale: str, resume: bool) -> Path:
     return DEFAULT_ROOT / f"{scale}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
 
 
-def _progress():
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    TextColumn("ETA"), TimeRemainingColumn(), console=Console(stderr=True, highlight=False))
-
-
 def claim_verdict(claim, specs, outcomes, out: Path):
     """The claim's Verdict from its finished runs (failures and unavailability become "not run")."""
     from flowgeom.reproduce.registry import RunRecord, Verdict
@@ -112,22 +104,27 @@ def reproduce(claims: Sequence[Any], *, out: str | Path, scale: str = "quick", b
         print(f"reproducing {len(claims)} claims ({scale}) into {out}", file=sys.stderr)
     started = datetime.now(timezone.utc)
     t0 = time.perf_counter()
-    from rich.markup import escape
+    from rich.console import Console
 
-    with _progress() as progress:
-        task = progress.add_task(f"{scale} reproduction", total=len(specs), visible=show_progress)
+    from flowgeom.reproduce.progress import Ticker
 
-        def on_start(spec):
-            progress.update(task, description=spec.claim_id)
+    # Lines, never silent for more than ~10 s: a run can take minutes (reproduce/progress.py)
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    ticker = Ticker(len(specs), lambda line: err.print(line, markup=False), jobs=jobs if backend == "local" else 1)
 
-        def on_done(spec, outcome):
-            progress.advance(task)
-            if show_progress:
-                mark = {"finished": "done", "skipped": "kept", "failed": "[red]FAILED[/red]"}[outcome.status]
-                tail = f" ({escape(outcome.error)})" if outcome.error else ""
-                progress.console.print(f"{mark} {spec.claim_id} {spec.run_id[-8:]} {outcome.seconds:.1f}s{tail}",
-                                       markup=True, highlight=False, soft_wrap=True)
+    def on_start(spec):
+        if show_progress:
+            ticker.start(spec.key, f"{spec.claim_id} {spec.run_id[-8:]}")
 
+    def on_done(spec, outcome):
+        if show_progress:
+            ticker.done(spec.key, f"{spec.claim_id} {spec.run_id[-8:]}", outcome.status, outcome.seconds,
+                        outcome.error or "")
+
+    if show_progress:
+        with ticker:
+            result = run_sweep(specs, backend=backend, jobs=jobs, resume=resume, on_start=on_start, on_done=on_done)
+    else:
         result = run_sweep(specs, backend=backend, jobs=jobs, resume=resume, on_start=on_start, on_done=on_done)
     by_claim: dict[str, list] = {}
     outcome_of = {o.key: o for o in result.outcomes}
