@@ -272,3 +272,11 @@ def test_frozen_parameters_are_held_fixed_not_counted():
     assert count(by_hand, sampler).laws == part.laws and not any("frozen" in n for n in free.notes)
     with pytest.raises(FlowgeomError, match="every parameter of _Deep is frozen"):
         count(_Deep(frozen=("a", "b", "c")), sampler)
+
+
+def test_progress_reports_the_rank_growing_to_the_count():
+    calls = []
+    res = count(build("relu2", seed=0), progress=lambda stage, done, total: calls.append((stage, done, total)))
+    assert calls and all(total == res.parameters for _, _, total in calls)
+    assert calls[0][0].endswith("depth 0") and calls[-1][1] == res.rank
+    assert [done for _, done, _ in calls] == sorted(done for _, done, _ in calls)  # the rank only grows

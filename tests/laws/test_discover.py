@@ -124,3 +124,10 @@ def test_input_shape_keyword():
     chain = nn.Sequential(nn.Linear(2, 3, bias=False), nn.ReLU(), nn.Linear(3, 2, bias=False))
     res = discover(chain, input_shape=(2,), seed=0)
     assert len(res.laws) == 3 and all("0.weight" in law.formula and "2.weight" in law.formula for law in res.laws)
+
+
+def test_progress_counts_the_points():
+    calls = []
+    res = discover(build("swiglu", seed=0, d_model=2, d_hidden=1), progress=lambda *a: calls.append(a))
+    assert calls[-1] == ("solving the symmetry system", res.points, res.points)
+    assert [done for stage, done, _ in calls if stage.startswith("fields")][-1] == res.points

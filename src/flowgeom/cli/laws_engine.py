@@ -71,6 +71,42 @@ def _resolve(args: argparse.Namespace):
 
 
 @contextmanager
+def engine_progress(enabled: bool, *, after: float = 2.0):
+    """A ``progress(stage, done, total)`` callback drawing a transient bar on stderr, or None.
+
+    Only on a terminal and without --json; the bar appears once the work has run
+    ``after`` seconds (a count of a small module finishes before that, silently).
+    """
+    import sys
+    import time
+
+    if not enabled or not sys.stderr.isatty():
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   console=Console(stderr=True), transient=True)
+    t0, task = time.monotonic(), None
+
+    def update(stage: str, done: int, total: int) -> None:
+        nonlocal task
+        if task is None:
+            if time.monotonic() - t0 < after:
+                return
+            bar.start()
+            task = bar.add_task(stage, total=total)
+        bar.update(task, description=stage, completed=done, total=total)
+
+    try:
+        yield update
+    finally:
+        if task is not None:
+            bar.stop()
+
+
+@contextmanager
 def cli_input_errors():
     """The engine's input errors name ``input_shape=``; here the fix is the ``--input-shape`` flag."""
     from flowgeom.laws.count import InputError
@@ -89,9 +125,9 @@ def _count(args: argparse.Namespace) -> int:
     from flowgeom.laws.count import count
 
     target, device, dtype = _resolve(args)
-    with cli_input_errors():
+    with cli_input_errors(), engine_progress(not args.json) as progress:
         res = count(target.module, target.sampler, seed=args.seed, dtype=dtype, device=device, max_depth=args.max_depth,
-                    tol=args.tol)
+                    tol=args.tol, progress=progress)
     hf_config = getattr(target, "config", None)  # hf: targets: the tiny config values used
     payload = {"target": target.label} | ({"config": hf_config} if hf_config else {}) | res.to_dict()
     if args.json:
@@ -131,9 +167,9 @@ def _discover(args: argparse.Namespace) -> int:
     from flowgeom.laws.discover import discover
 
     target, device, dtype = _resolve(args)
-    with cli_input_errors():
+    with cli_input_errors(), engine_progress(not args.json) as progress:
         res = discover(target.module, target.sampler, degree=args.degree, seed=args.seed, dtype=dtype, device=device,
-                       max_parameters=args.max_parameters)
+                       max_parameters=args.max_parameters, progress=progress)
     if args.json:
         print_json({"target": target.label} | res.to_dict())
         return 0

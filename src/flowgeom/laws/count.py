@@ -33,7 +33,7 @@ from __future__ import annotations
 import copy
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -373,7 +373,11 @@ class FieldSource:
         return out
 
 
-def _grow_level(span: SpanTracker, source: FieldSource, depth: int, *, block: int, patience: int, max_blocks: int) -> None:
+Progress = Callable[[str, int, int], None]  # (stage, done, total): e.g. ("depth 1", rank so far, D)
+
+
+def _grow_level(span: SpanTracker, source: FieldSource, depth: int, *, block: int, patience: int, max_blocks: int,
+                progress: Progress | None = None) -> None:
     """Draw blocks of depth-``depth`` brackets until ``patience`` consecutive draws add nothing.
 
     A block that does not fill up (``n − added ≥ patience``) is followed by a
@@ -386,23 +390,26 @@ def _grow_level(span: SpanTracker, source: FieldSource, depth: int, *, block: in
             return
         n = patience if saturated else min(block, span.dim - span.rank + patience)
         added = span.add(*source.block(depth, n))
+        if progress is not None:
+            progress(f"rank of Lie(W), depth {depth}", span.rank, span.dim)
         if saturated and added == 0:
             return
         saturated = n - added >= patience
 
 
 def lie_span(span: SpanTracker, source: FieldSource, generator: torch.Generator, *, max_depth: int, patience: int,
-             block: int) -> list[int]:
+             block: int, progress: Progress | None = None) -> list[int]:
     """Grow ``span`` to Lie(W)(θ): depth 0 in basis form, then brackets in complement form; ranks by depth."""
     d = span.dim
-    _grow_level(span, source, 0, block=block, patience=patience, max_blocks=math.ceil(d / block) + 8)
+    _grow_level(span, source, 0, block=block, patience=patience, max_blocks=math.ceil(d / block) + 8, progress=progress)
     ranks = [span.rank]
     span.to_complement(generator)
     for depth in range(1, max_depth + 1):
         if span.rank == d:
             break
         before = span.rank
-        _grow_level(span, source, depth, block=min(block, 256), patience=patience, max_blocks=math.ceil(d / 256) + 8)
+        _grow_level(span, source, depth, block=min(block, 256), patience=patience, max_blocks=math.ceil(d / 256) + 8,
+                    progress=progress)
         ranks.append(span.rank)
         if span.rank == before:
             break
@@ -425,6 +432,7 @@ def count(
     max_memory: int | None = None,
     check_precision: bool = True,
     input_shape: Sequence[int] | None = None,
+    progress: Progress | None = None,
 ) -> CountResult:
     """Number of independent conservation laws of ``module`` at a random θ.
 
@@ -439,7 +447,8 @@ def count(
     (default: the free memory of ``device``). ``check_precision`` first measures
     the fields' rounding noise (:mod:`flowgeom.laws.precision`): a module computing
     below ``dtype`` inside is reported, and without ``tol`` the tolerance follows
-    the measured noise.
+    the measured noise. ``progress(stage, done, total)`` is called after every block of
+    fields (the CLI's progress bar): the rank found so far out of D.
     """
     start = time.perf_counter()
     device = torch.device(device)
@@ -476,7 +485,7 @@ def count(
     default_tol = DEFAULT_TOL.get(dtype, 1e-6)
     tol_used = tol if tol is not None else tolerance_for(prec, default_tol) if prec is not None and prec.reduced else default_tol
     span = SpanTracker(d, tol=tol_used, dtype=dtype, device=device)
-    ranks = lie_span(span, source, gen, max_depth=max_depth, patience=patience, block=block)
+    ranks = lie_span(span, source, gen, max_depth=max_depth, patience=patience, block=block, progress=progress)
     notes = switched + frozen_note(frozen) + gap_notes(span.gap(), prec, default_tol=default_tol,
                                                        tol_given=tol is not None)
     if max_depth == 0 and span.rank < d:

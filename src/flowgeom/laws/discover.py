@@ -72,7 +72,7 @@ class DiscoverResult:
 
 
 def _complements(model: FieldModel, thetas: torch.Tensor, sampler, out_shape, gen, *, tol: float, per_field: int = 16,
-                 chunk: int = 16) -> list[torch.Tensor]:
+                 chunk: int = 16, progress=None, offset: int = 0, total: int = 0) -> list[torch.Tensor]:
     """Orthonormal bases (D, k_i) of W(θ_i)^⊥ for a stack of points ``thetas`` (M, D); law gradients lie there.
 
     D + 8 random fields per point, vmapped over fields *and* points, then one
@@ -103,6 +103,8 @@ def _complements(model: FieldModel, thetas: torch.Tensor, sampler, out_shape, ge
         for i in range(c):
             k = int((sig[i] > tol).sum())
             out.append(vh[i, k:].T)  # (D, D - k)
+        if progress is not None:
+            progress("fields at random points", offset + len(out), total or m)
     return out
 
 
@@ -324,11 +326,13 @@ def discover(
     extra_points: int = 4,
     max_parameters: int = 300,
     input_shape: Sequence[int] | None = None,
+    progress=None,
 ) -> DiscoverResult:
     """A sparse basis of the polynomial laws θᵀAθ + bᵀθ (``degree`` 2) or bᵀθ (``degree`` 1).
 
     Inputs as in :func:`flowgeom.laws.count.count`: ``input_shape`` (one input, without the
     batch dimension), a ``sample_input(n, generator)`` callable, or the module's own method.
+    ``progress(stage, done, total)`` is called as the points' fields are drawn.
     """
     start = time.perf_counter()
     if degree not in (1, 2):
@@ -352,12 +356,16 @@ def discover(
     _require_memory(complements_memory(d, n_points, sampler, out_shape), limit, f"the field complements of D = {d:,} parameters")
     thetas = torch.stack([theta0] + [model.layout.flatten(random_point(work, gen)).to(device=device, dtype=dtype)
                                      for _ in range(n_points - 1)])  # (M, D)
-    ns = _complements(model, thetas[:16], sampler, out_shape, gen, tol=tol)  # first chunk: the size of the system
+    ns = _complements(model, thetas[:16], sampler, out_shape, gen, tol=tol, progress=progress,
+                      total=n_points)  # first chunk: the size of the system
     system = f"the symmetry system of about {{:,}} unknowns (D + 1 = {d + 1} points × the complement of W(θ))"
     if degree == 2:  # k_i is generic: the first points predict Σ k_i before the other D + 1 - 16 are drawn
         guess = (d + 1) * max(n.shape[1] for n in ns)
         _require_memory(8 * 8 * guess**2, int(0.8 * available_memory(torch.device("cpu"))), system.format(guess))
-    ns += _complements(model, thetas[16:], sampler, out_shape, gen, tol=tol) if n_points > 16 else []
+    ns += _complements(model, thetas[16:], sampler, out_shape, gen, tol=tol, progress=progress, offset=16,
+                       total=n_points) if n_points > 16 else []
+    if progress is not None:
+        progress("solving the symmetry system", n_points, n_points)
     if degree == 2:
         unknowns = sum(n.shape[1] for n in ns[: d + 1])
         _require_memory(8 * 8 * unknowns**2, int(0.8 * available_memory(torch.device("cpu"))), system.format(unknowns))
