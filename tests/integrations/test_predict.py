@@ -81,7 +81,7 @@ def _train(model, opt, steps, *, seed=0):
         opt.step()
         if beta:
             drive = mon.values_at({n: opt.state[named[n]]["momentum_buffer"] for n in mon.param_names})
-        pr.advance(lr=pr.per_quantity(hyper, "lr"), momentum=beta, weight_decay=pr.per_quantity(hyper, "weight_decay"),
+        pr.advance(lr=pr.per_item(hyper, "lr"), momentum=beta, weight_decay=pr.per_item(hyper, "weight_decay"),
                    drive=drive, drive_is_gradient=beta == 0)
         opt.zero_grad()
     return mon, pr.compare(mon.values())

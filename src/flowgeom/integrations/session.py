@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import os
+import textwrap
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -47,8 +48,8 @@ class MonitorSession:
 
     ``optimizer_kind`` (one of ``sgd, sgd+wd, momentum, adam, other``) replaces the optimiser's
     description when the monitor cannot see it (no torch-style ``param_groups``).
-    ``predict``: ``auto`` (on for torch SGD without Nesterov/dampening), ``on`` (refused where there is
-    no prediction), ``off``. Monitor options (``heads``, ``positions``, ``weight_decay``, ``lr``, …) pass
+    ``predict``: ``auto`` (on for torch SGD with momentum or weight decay, without Nesterov/dampening),
+    ``on`` (also for plain SGD; refused where there is no prediction), ``off``. Monitor options (``heads``, ``positions``, ``weight_decay``, ``lr``, …) pass
     through ``monitor_kwargs``.
     """
 
@@ -100,7 +101,10 @@ class MonitorSession:
     def _make_predictor(self, predict: str) -> DriftPredictor | None:
         info = self.info
         supported = (self.optimizer is not None and info.name == "SGD" and not info.nesterov and info.dampening == 0)
-        if predict == "off" or (predict == "auto" and not supported):
+        # auto: where the laws are expected to move (momentum, weight decay); under plain SGD the prediction is
+        # only the O(τ²k) term, and its cost (one more law evaluation per step) would double the monitor's
+        beyond_flow = info.momentum > 0 or info.weight_decay > 0
+        if predict == "off" or (predict == "auto" and not (supported and beyond_flow)):
             return None
         if not supported:
             raise FlowgeomError(f"predict='on' needs torch.optim.SGD without nesterov/dampening (Kunin et al.'s "
@@ -129,7 +133,7 @@ class MonitorSession:
             return
         hyper = self._hyper or self._hyper_now()
         pr = self.predictor
-        lr, wd = pr.per_quantity(hyper, "lr"), pr.per_quantity(hyper, "weight_decay")
+        lr, wd = pr.per_item(hyper, "lr"), pr.per_item(hyper, "weight_decay")
         if self.info.momentum > 0:
             state = self.optimizer.state
             buffers = {n: state.get(self._named[n], {}).get("momentum_buffer") for n in self.monitor.param_names}
@@ -241,7 +245,9 @@ class MonitorSession:
                     from flowgeom.integrations.figure import plot_drift
 
                     fig = self.out / "figures" / "conservation.png"
-                    plot_drift(self.history, fig, title=title or out["line"][10:110])
+                    # the summary line without its prefix, on two lines (a figure title does not wrap by itself)
+                    wrapped = textwrap.wrap(out["line"].removeprefix("flowgeom: "), 100)
+                    plot_drift(self.history, fig, title=title or "\n".join(wrapped[:2]) + (" …" if wrapped[2:] else ""))
                     out["figure"] = str(fig)
                 atomic_write_json(self.out / "summary.json", out)
             return out

@@ -405,6 +405,11 @@ class ConservationMonitor:
 
     def controls_of(self) -> dict[str, list[str]]:
         """For each ``eps/<family>``, the ``control/<family>`` keys that have a control in one of its blocks."""
+        if getattr(self, "_controls_of", None) is None:  # fixed by the items: built once, read at every verdict
+            self._controls_of = self._build_controls_of()
+        return self._controls_of
+
+    def _build_controls_of(self) -> dict[str, list[str]]:
         blocks: dict[str, set[str]] = {}
         for t in self.items:
             if t.kind == "eps":

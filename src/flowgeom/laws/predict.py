@@ -37,7 +37,7 @@ the measured/predicted gap (``pred_err``) shows.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -61,55 +61,68 @@ class DriftPredictor:
         law = [t.kind == "eps" and t.law.degree in (1, 2) for t in monitor.items]
         self._seg = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))  # (total,)
         self.covered = torch.tensor(law)[self._seg]  # (total,) laws with a prediction
-        self.degree = torch.tensor([float(t.law.degree) for t in monitor.items], dtype=torch.float64)[self._seg]
+        self._item_degree = [float(t.law.degree) for t in monitor.items]
+        self.degree = torch.tensor(self._item_degree, dtype=torch.float64)[self._seg]
         self.h = monitor.h0.clone()                      # (total,) predicted h
         self.u = torch.zeros_like(self.h)                # (total,) predicted ḣ
         self.t = 0.0
         self.steps = 0
+        self._key = None        # the (lr, weight decay, momentum) the coefficients below were built for
+        self._propagators: dict[tuple[float, float, float], Tensor] = {}
 
     def reset(self) -> None:
         self.h, self.u, self.t, self.steps = self.monitor.h0.clone(), torch.zeros_like(self.h), 0.0, 0
 
-    @staticmethod
-    def _propagator(lr: float, momentum: float, rate: float) -> Tensor:
+    def _propagator(self, lr: float, momentum: float, rate: float) -> Tensor:
         """exp(A·η) for A = [[0, 1, 0], [−c/a, −b/a, 1/a], [0, 0, 0]]: (h, ḣ, F) → (h, ḣ) after one step (3, 3)."""
-        a, b = 0.5 * lr * (1.0 + momentum), 1.0 - momentum
-        A = torch.tensor([[0.0, 1.0, 0.0], [-rate / a, -b / a, 1.0 / a], [0.0, 0.0, 0.0]], dtype=torch.float64)
-        return torch.linalg.matrix_exp(A * lr)
+        key = (lr, momentum, rate)
+        if key not in self._propagators:
+            a, b = 0.5 * lr * (1.0 + momentum), 1.0 - momentum
+            A = torch.tensor([[0.0, 1.0, 0.0], [-rate / a, -b / a, 1.0 / a], [0.0, 0.0, 0.0]], dtype=torch.float64)
+            self._propagators[key] = torch.linalg.matrix_exp(A * lr)
+        return self._propagators[key]
+
+    def _coefficients(self, lr: list[float], wd: list[float], momentum: float) -> Tensor:
+        """Per quantity: the propagator's (h, ḣ, F) → (h, ḣ) entries, the drive's scale and λ² (8, total).
+
+        Rebuilt only when a hyper-parameter changes (a constant learning rate builds them once)."""
+        key = (tuple(lr), tuple(wd), momentum)
+        if key != self._key:
+            coef = torch.empty(8, len(lr), dtype=torch.float64)
+            for i, (eta, lam, d) in enumerate(zip(lr, wd, self._item_degree)):
+                P = self._propagator(eta, momentum, d * lam)
+                coef[:6, i] = P[:2].reshape(-1)
+                coef[6, i] = eta * (1.0 + momentum) if d == 2 else 0.0  # the drive η(1+β)·h(θ̇) of quadratic laws
+                coef[7, i] = lam * lam
+            self._coef, self._key = coef[:, self._seg], key
+        return self._coef
 
     @torch.no_grad()
-    def advance(self, *, lr: float | Tensor, momentum: float = 0.0, weight_decay: float | Tensor = 0.0,
-                drive: Tensor, drive_is_gradient: bool) -> None:
+    def advance(self, *, lr: float | Sequence[float], momentum: float = 0.0,
+                weight_decay: float | Sequence[float] = 0.0, drive: Tensor, drive_is_gradient: bool) -> None:
         """One optimiser step.
 
         ``drive``: h evaluated at the momentum buffer v_{k+1} (``drive_is_gradient=False``) or at the
         gradient g_k (True; then β must be 0 and h(v) = h(g) + λ²h). ``lr`` and ``weight_decay`` are
-        scalars or per-quantity tensors (total,) (parameter groups may differ).
+        scalars or one value per tracked item (parameter groups may differ, see :meth:`per_item`).
         """
         if not 0 <= momentum < 1:
             raise FlowgeomError(f"momentum must lie in [0, 1) for the prediction, got {momentum}")
         if drive_is_gradient and momentum:
             raise FlowgeomError("with momentum the drive is h(momentum buffer), not h(gradient)")
-        total = self.h.numel()
-        lr_t = torch.as_tensor(lr, dtype=torch.float64).expand(total)
-        wd_t = torch.as_tensor(weight_decay, dtype=torch.float64).expand(total)
-        if bool((lr_t <= 0).any()):
+        n = len(self._item_degree)
+        lr = [float(lr)] * n if isinstance(lr, (int, float)) else [float(x) for x in lr]
+        wd = [float(weight_decay)] * n if isinstance(weight_decay, (int, float)) else [float(x) for x in weight_decay]
+        if min(lr) <= 0:
             raise FlowgeomError("the prediction needs a positive learning rate at every step")
+        c = self._coefficients(lr, wd, float(momentum))
         hv = drive.to(torch.float64)
         if drive_is_gradient:
-            hv = hv + wd_t**2 * self.h  # v = g + λθ, and ⟨∇h, g⟩ = 0: h(v) = h(g) + λ²h(θ)
-        force = torch.where(self.degree == 2, lr_t * (1.0 + momentum) * hv, torch.zeros_like(hv))
-        rate = self.degree * wd_t
-        combos = torch.stack([lr_t, rate], dim=1)  # (total, 2): one propagator per distinct (η, dλ)
-        uniq, inverse = torch.unique(combos, dim=0, return_inverse=True)
-        h, u = self.h.clone(), self.u.clone()
-        for i, (eta, r) in enumerate(uniq.tolist()):
-            idx = inverse == i
-            P = self._propagator(eta, momentum, r)
-            h[idx] = P[0, 0] * self.h[idx] + P[0, 1] * self.u[idx] + P[0, 2] * force[idx]
-            u[idx] = P[1, 0] * self.h[idx] + P[1, 1] * self.u[idx] + P[1, 2] * force[idx]
-        self.h, self.u = h, u
-        self.t += float(lr_t.mean())
+            hv = hv + c[7] * self.h  # v = g + λθ, and ⟨∇h, g⟩ = 0: h(v) = h(g) + λ²h(θ)
+        force = c[6] * hv
+        self.h, self.u = (c[0] * self.h + c[1] * self.u + c[2] * force,
+                          c[3] * self.h + c[4] * self.u + c[5] * force)
+        self.t += sum(lr) / n
         self.steps += 1
 
     def compare(self, values: Tensor) -> dict[str, float]:
@@ -130,9 +143,9 @@ class DriftPredictor:
                 out[f"pred_err/{key[2:]}"] = g / d if d > 0 else float("nan")
         return out
 
-    def per_quantity(self, hyper: Mapping[str, Mapping[str, float]], key: str) -> Tensor:
-        """A per-parameter hyper-parameter (``hyper[name][key]``) spread over every quantity (total,), from the
-        first parameter each law reads (a law whose parameters sit in no optimiser group is an error)."""
+    def per_item(self, hyper: Mapping[str, Mapping[str, float]], key: str) -> list[float]:
+        """A per-parameter hyper-parameter (``hyper[name][key]``) for each tracked item, from the first
+        parameter its law reads (a law whose parameters sit in no optimiser group is an error)."""
         vals = []
         for t in self.monitor.items:
             h = hyper.get(t.law.params[0])
@@ -140,7 +153,7 @@ class DriftPredictor:
                 raise FlowgeomError(f"{t.law.params[0]} is in no parameter group of the optimiser: the monitor "
                                     "cannot see how it is trained; pass the optimiser that trains the model")
             vals.append(h[key])
-        return torch.tensor(vals, dtype=torch.float64)[self._seg]
+        return vals
 
 
 def hyper_of(optimizer: Any, names: list[str], params: list[Tensor]) -> dict[str, Mapping[str, float]]:
