@@ -131,3 +131,58 @@ def test_progress_counts_the_points():
     res = discover(build("swiglu", seed=0, d_model=2, d_hidden=1), progress=lambda *a: calls.append(a))
     assert calls[-1] == ("solving the symmetry system", res.points, res.points)
     assert [done for stage, done, _ in calls if stage.startswith("fields")][-1] == res.points
+
+
+class _LayerNormMLP(nn.Module):
+    def __init__(self, d: int = 4, m: int = 3):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up_proj = nn.Linear(d, m, bias=False)
+        self.down_proj = nn.Linear(m, d, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(torch.relu(self.up_proj(self.norm(x))))
+
+
+def test_layernorm_mlp_one_law_per_hidden_unit_and_per_norm_feature():
+    # The plain RREF gave feature 0's law as an 8-term sum (minus every unit's law); the sparse basis does not.
+    res = discover(_LayerNormMLP(), input_shape=(4,), seed=0)
+    norm = [f"norm.weight[{j}]² + norm.bias[{j}]² − ‖up_proj.weight[:,{j}]‖²" for j in range(4)]
+    units = [f"‖up_proj.weight[{i},:]‖² − ‖down_proj.weight[:,{i}]‖²" for i in range(3)]
+    assert [law.formula for law in res.laws] == norm + units  # grouped: norm laws first (module order)
+    assert [law.params for law in res.laws] == [("norm.weight", "norm.bias", "up_proj.weight")] * 4 + \
+        [("up_proj.weight", "down_proj.weight")] * 3
+    groups = res.to_dict()["groups"]
+    assert [len(g["laws"]) for g in groups] == [4, 3] and groups[1]["params"] == ["up_proj.weight", "down_proj.weight"]
+
+
+def test_attention_vo_laws_are_per_head():
+    res = discover(build("mha", seed=0, d_model=3, heads=2, d_k=1, d_v=2))
+    vo = [law for law in res.laws if law.params == ("v_proj.weight", "o_proj.weight")]
+    assert len(vo) == 2 * 3  # per head: d_v(d_v+1)/2
+    diagonal = {f"‖v_proj.weight[{a},:]‖² − ‖o_proj.weight[:,{a}]‖²" for a in range(4)}
+    assert diagonal <= {law.formula for law in vo}
+    d_model, d_v, start = 3, 2, 12  # θ = q (2×3), k (2×3), v (4×3), o (3×4), flattened row-major
+    for law in vo:  # every V/O law reads the v_proj rows of one head only
+        used = law.quadratic.abs().sum(1)[start : start + 4 * d_model]  # (12,) the v_proj coordinates
+        heads = {int(i) // d_model // d_v for i in torch.nonzero(used).flatten()}
+        assert len(heads) == 1, (law.formula, heads)
+
+
+def test_sparsify_keeps_the_span_and_lowers_the_support():
+    from flowgeom.laws.discover import _sparsify
+
+    sparse = torch.zeros(3, 12, dtype=torch.float64)
+    sparse[0, :2], sparse[1, 4:6], sparse[2, 8:11] = 1.0, torch.tensor([1.0, -2.0]), torch.tensor([1.0, 1.0, 3.0])
+    mixed = torch.tensor([[1.0, 0, 0], [1.0, 1.0, 0], [1.0, 1.0, 1.0]], dtype=torch.float64) @ sparse  # dense combos
+    out = _sparsify(mixed)
+    assert int((out != 0).sum()) == int((sparse != 0).sum()) < int((mixed != 0).sum())
+    assert torch.linalg.matrix_rank(torch.cat([out, sparse])) == 3
+
+
+def test_latex_of_a_law():
+    from flowgeom.laws.discover import to_latex
+
+    assert to_latex("‖up_proj.weight[0,:]‖² − ‖down_proj.weight[:,0]‖²") == (
+        r"\lVert \mathtt{up\_proj.weight}[0,:] \rVert^2 - \lVert \mathtt{down\_proj.weight}[:,0] \rVert^2")
+    assert to_latex("Σ router.weight[:,1]") == r"\sum \mathtt{router.weight}[:,1]"

@@ -103,3 +103,11 @@ def test_demo_table_rows_agree_and_mark_the_sigmoid_finding(capsys):
     assert len(sig) == 2 and all(r["numeric"] == 9 for r in sig)  # E·m = 3·3; the seed's +d is refuted
     print_count_table(rows)
     assert "refuted" in capsys.readouterr().out
+
+
+def test_discover_latex_and_groups(capsys):
+    code, out, _ = _run(capsys, "laws", "discover", "swiglu", "--d-model", "2", "--d-hidden", "2", "--latex")
+    assert code == 0 and out.startswith("\\begin{align*}") and out.rstrip().endswith("\\end{align*}")
+    assert r"h_{1} &= \lVert \mathtt{up\_proj.weight}[0,:] \rVert^2 - \lVert \mathtt{down\_proj.weight}[:,0] \rVert^2 \\" in out
+    code, out, _ = _run(capsys, "laws", "discover", "swiglu", "--d-model", "2", "--d-hidden", "2")
+    assert "reads up_proj.weight, down_proj.weight: 2 laws" in out

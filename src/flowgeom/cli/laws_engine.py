@@ -174,9 +174,21 @@ def _discover(args: argparse.Namespace) -> int:
         print_json({"target": target.label} | res.to_dict())
         return 0
     out = console()
+    if args.latex:  # one align* environment, a line per law, ready to paste into a paper
+        from flowgeom.laws.discover import to_latex
+
+        print("\\begin{align*}")
+        print(" \\\\\n".join(f"  h_{{{i + 1}}} &= {to_latex(law.formula)}" for i, law in enumerate(res.laws)))
+        print("\\end{align*}")
+        return 0
     out.print(f"[bold]{escape(target.label)}[/bold]: D = {res.parameters}; {len(res.laws)} polynomial laws of degree ≤ {args.degree}"
-              + (f" (catalogue: {res.expected})" if res.expected is not None else ""))
+              + (f" (catalogue: {res.expected})" if res.expected is not None else ""), emoji=False)
+    group = None
     for i, law in enumerate(res.laws):
+        if law.params != group:  # laws come grouped by the parameter tensors they read
+            group = law.params
+            n = sum(other.params == group for other in res.laws)
+            out.print(f"  reads {escape(', '.join(group))}: {n} law{'s' if n > 1 else ''}", style="bold")
         out.print(f"  {i + 1:>3}. {escape(law.formula)}")
     if not res.laws:
         out.print("  (none: only constant functions of degree ≤ 2 are conserved)")
@@ -244,5 +256,6 @@ def register_verbs(verbs) -> None:
                 func=_discover)
     _common(p)
     p.add_argument("--degree", type=int, default=2, choices=(1, 2), help="largest polynomial degree (default 2)")
+    p.add_argument("--latex", action="store_true", help="print the laws as a LaTeX align* environment")
     p.add_argument("--max-parameters", type=bounded_int(1, MAX_PARAMETERS), default=300,
                    help=f"refuse larger D, 1..{MAX_PARAMETERS} (default 300)")

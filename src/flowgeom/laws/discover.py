@@ -49,6 +49,7 @@ class DiscoveredLaw:
     formula: str
     quadratic: torch.Tensor  # (D, D) symmetric
     linear: torch.Tensor  # (D,)
+    params: tuple[str, ...] = ()  # the parameter tensors h reads, in module order: its symmetry group
 
     def evaluate(self, theta: torch.Tensor) -> torch.Tensor:
         return theta @ self.quadratic @ theta + self.linear @ theta
@@ -67,6 +68,8 @@ class DiscoverResult:
 
     def to_dict(self) -> dict:
         return {"parameters": self.parameters, "count": len(self.laws), "laws": [law.formula for law in self.laws],
+                "groups": [{"params": list(p), "laws": [law.formula for law in self.laws if law.params == p]}
+                           for p in dict.fromkeys(law.params for law in self.laws)],
                 "expected": self.expected, "max_violation": self.max_violation, "seconds": self.seconds,
                 "seed": self.seed, "points": self.points, "notes": self.notes}
 
@@ -196,6 +199,110 @@ def _rref(coef: torch.Tensor, tol: float = 1e-8) -> torch.Tensor:
         m[others] -= m[others, col : col + 1] * m[row]
         row += 1
     return m[:row]
+
+
+def _sparse_rref(coef: torch.Tensor, iu: torch.Tensor, layout: ParamLayout) -> torch.Tensor:
+    """The sparsest of the RREFs of ``coef`` under a few column orders: as laid out, reversed,
+    and each parameter tensor's monomials first.
+
+    An RREF's pivots follow the column order. On a LayerNorm MLP, pivoting the hidden units'
+    laws on their up_proj columns drags every one of them into the law of LayerNorm
+    feature 0 (an 11-term sum); with down_proj's columns first each law keeps its own
+    terms. Which tensor to put first depends on the module, so each is tried (one RREF
+    per parameter tensor, cheap next to the solve) and the fewest non-zeros win.
+    """
+    if coef.shape[0] < 2:
+        return _rref(coef)
+    block = torch.repeat_interleave(torch.arange(len(layout.names)), torch.tensor(layout.numels))  # (D,) tensor of each coordinate
+    # each column's tensors: a monomial θ_a θ_b reads block(a) and block(b); a linear term θ_a reads block(a)
+    col_a = torch.cat([block[iu[0]], block])
+    col_b = torch.cat([block[iu[1]], block])
+    n = coef.shape[1]
+    orders = [torch.arange(n), torch.arange(n - 1, -1, -1)]
+    for p in range(len(layout.names)):
+        first = (col_a == p) | (col_b == p)
+        orders.append(torch.cat([torch.nonzero(first).flatten(), torch.nonzero(~first).flatten()]))
+    best, best_nnz = None, None
+    for order in orders:
+        reduced = _rref(coef[:, order])
+        rows = torch.zeros(reduced.shape[0], n, dtype=coef.dtype)
+        rows[:, order] = reduced
+        nnz = int((rows.abs() > 1e-8 * float(rows.abs().max())).sum())
+        if best_nnz is None or nnz < best_nnz:
+            best, best_nnz = rows, nnz
+    return best
+
+
+def _sparsify(rows: torch.Tensor, tol: float = 1e-8, max_rounds: int = 20) -> torch.Tensor:
+    """An equivalent basis (same span) with fewer non-zero coefficients, greedily.
+
+    The RREF's pivots follow the column order, not the symmetry: on a LayerNorm MLP
+    the law of LayerNorm feature 0 comes out as its own law minus every hidden unit's
+    rescaling law, an 11-term sum. Here each row r_i is replaced by r_i − c·r_j
+    (j ≠ i, so the span and the rank stay) whenever that lowers its count of
+    non-zeros; c is the most frequent ratio r_i/r_j over their common support (the
+    one that cancels most terms). Rounds repeat until nothing improves. Finding the
+    sparsest basis is NP-hard in general; on block-structured laws (per unit, per
+    head, per feature) this greedy pass reaches one law per symmetry.
+    """
+    m = rows.clone()
+    if m.shape[0] < 2:
+        return m
+    floor = tol * float(m.abs().max())
+    m[m.abs() <= floor] = 0
+    for _ in range(max_rounds):
+        improved = False
+        for i in range(m.shape[0]):
+            for j in range(m.shape[0]):
+                if i == j:
+                    continue
+                common = (m[i] != 0) & (m[j] != 0)
+                if not bool(common.any()):
+                    continue
+                ratios = (m[i][common] / m[j][common]).double()
+                keys = torch.round(ratios * 1e6)  # equal up to rounding: one candidate
+                values, counts = torch.unique(keys, return_counts=True)
+                c = float(ratios[keys == values[counts.argmax()]].mean())
+                cand = m[i] - c * m[j]
+                cand[cand.abs() <= floor] = 0
+                if 0 < int((cand != 0).sum()) < int((m[i] != 0).sum()):
+                    m[i], improved = cand, True
+        if not improved:
+            break
+    for i in range(m.shape[0]):  # canonical scale: largest coefficient 1 in size, first non-zero positive
+        nz = torch.nonzero(m[i]).flatten()
+        m[i] = m[i] / m[i].abs().max() * (1 if m[i, nz[0]] > 0 else -1)
+    return m
+
+
+def _reads(q: torch.Tensor, b: torch.Tensor, layout: ParamLayout, tol: float = 1e-8) -> tuple[str, ...]:
+    """The parameter tensors with a non-zero coefficient in h = θᵀQθ + bᵀθ, in module order."""
+    offs = layout.offsets()
+    used = (q.abs().amax(0) > tol) | (b.abs() > tol)  # (D,)
+    return tuple(name for name, o, n in zip(layout.names, offs, layout.numels) if bool(used[o : o + n].any()))
+
+
+def _grouped(laws: list[DiscoveredLaw], layout: ParamLayout) -> list[DiscoveredLaw]:
+    """Laws ordered by the group of parameter tensors they read (groups in module order), then as found."""
+    order = {name: i for i, name in enumerate(layout.names)}
+    return sorted(laws, key=lambda law: tuple(order[p] for p in law.params))
+
+
+def to_latex(formula: str) -> str:
+    r"""A law's formula (as printed) in LaTeX math: ‖x‖² → \lVert x \rVert^2, names in \mathtt."""
+    import re
+
+    def name(m: re.Match) -> str:
+        return r"\mathtt{" + m.group(0).replace("_", r"\_") + "}"
+
+    out = re.sub(r"[A-Za-z_][A-Za-z0-9_.]*(?![A-Za-z0-9_.])", name, formula)
+    # ‖ opens and closes in turn
+    parts = out.split("‖")
+    out = "".join(p + ((r"\lVert " if k % 2 == 0 else r" \rVert") if k < len(parts) - 1 else "") for k, p in enumerate(parts))
+    for old, new in (("²", "^2"), ("−", "-"), ("Σ ", r"\sum "), ("⟨", r"\langle "), ("⟩", r" \rangle"),
+                     ("·", r" \cdot "), ("…", r"\dots")):
+        out = out.replace(old, new)
+    return out
 
 
 def _num(c: float, first: bool) -> str:
@@ -378,14 +485,15 @@ def discover(
     iu = torch.triu_indices(d, d)
     mono = a[:, iu[0], iu[1]] * torch.where(iu[0] == iu[1], 1.0, 2.0).to(a)  # (m, D(D+1)/2) monomial coefficients
     coef, n_products = _modulo_products(torch.cat([mono, b], dim=1), iu)
-    basis = _rref(coef)
+    basis = _sparsify(_sparse_rref(coef, iu, model.layout))
     laws = []
     for row in basis:
         q = torch.zeros(d, d, dtype=row.dtype)
         q[iu[0], iu[1]] = row[: iu.shape[1]] / torch.where(iu[0] == iu[1], 1.0, 2.0).to(row)
         q = q + q.triu(1).T
         lin = row[iu.shape[1] :]
-        laws.append(DiscoveredLaw(format_law(q, lin, model.layout), q, lin))
+        laws.append(DiscoveredLaw(format_law(q, lin, model.layout), q, lin, _reads(q, lin, model.layout)))
+    laws = _grouped(laws, model.layout)
     worst = _violation(laws, model, sampler, out_shape, gen, dtype=dtype, device=device) if laws else 0.0
     notes = frozen_note(frozen)
     if worst >= 1e-6:
