@@ -246,7 +246,7 @@ def _sparsify(rows: torch.Tensor, tol: float = 1e-8, max_rounds: int = 20) -> to
     head, per feature) this greedy pass reaches one law per symmetry.
     """
     m = rows.clone()
-    if m.shape[0] < 2:
+    if m.shape[0] < 2 or m.shape[0] ** 2 * m.shape[1] > 2e9:  # a pass is m² row operations: keep it to seconds
         return m
     floor = tol * float(m.abs().max())
     m[m.abs() <= floor] = 0
