@@ -20,18 +20,18 @@ from flowgeom.cli._common import (
 from flowgeom.errors import FlowgeomError
 
 ROLES = ("q", "k", "v", "o", "gate", "up", "down")
-BUDGET_TOL = 0.02  # a role's saved fraction further than this from --budget is named in a note
+METHODS = ("svd", "whiten", "basis-sharing", "share", "continuity")
+DEFAULT_CALIB_TOKENS = 16384  # flowgeom.continuity.calibrate.DEFAULT_TOKENS (kept here: --help imports no torch)
+BUDGET_TOL = 0.01  # an obtained saving further than this from --budget is shown loudly
 
 
-def _source_path(spec: str) -> Path:
-    if spec.startswith("builtin:"):
-        from flowgeom.continuity.sources import builtin_path
-
-        return builtin_path(spec)
-    path = Path(spec)
-    if not path.exists():
-        raise FlowgeomError(f"source {spec} does not exist; pass a .gguf, builtin:smollm2 or an HF Llama folder")
-    return path
+def _budgets(text: str) -> tuple[float, ...]:
+    """argparse type: comma-separated fractions in (0, 1)."""
+    parse = finite_float(0.0, 1.0, lo_open=True, hi_open=True)
+    items = tuple(parse(x.strip()) for x in text.split(",") if x.strip())
+    if not items:
+        raise argparse.ArgumentTypeError("expected budgets like 0.1,0.2,0.3")
+    return items
 
 
 def _progress(enabled: bool, label: str):
@@ -53,92 +53,59 @@ def _progress(enabled: bool, label: str):
 
 # ---------------------------------------------------------------- share
 
-def auto_spaces(state: dict, roles: tuple[str, ...], n_layers: int) -> tuple[dict[str, str], dict[str, dict]]:
-    """Per role, the space the analyzer measures as continuous (v1/u1 ratio to chance; the larger one
-    when both or neither pass the threshold), with the evidence."""
-    from flowgeom.continuity import AnalyzeConfig, analyze
-    from flowgeom.continuity.compress import HF_NAMES
+def _share_config(args: argparse.Namespace):
+    from flowgeom.continuity.share import ShareConfig
 
-    sub = {f"model.layers.{l}.{HF_NAMES[r]}.weight": state[f"model.layers.{l}.{HF_NAMES[r]}.weight"]
-           for r in roles for l in range(n_layers)}
-    report = analyze(sub, AnalyzeConfig(roles=roles, gram=False, dtype="float32"))
-    spaces, evidence = {}, {}
-    for role in roles:
-        r = report["roles"][role]
-        verdict = r["verdict"]
-        if verdict == "input-continuous":
-            space = "input"
-        elif verdict == "output-continuous":
-            space = "output"
-        else:
-            space = "input" if r["v1_ratio"] >= r["u1_ratio"] else "output"
-        spaces[role] = space
-        evidence[role] = {"verdict": verdict, "v1_ratio": r["v1_ratio"], "u1_ratio": r["u1_ratio"]}
-    return spaces, evidence
+    budget = None if args.rank is not None or args.sweep else (0.2 if args.budget is None else args.budget)
+    return ShareConfig(method=args.method, budget=budget if not args.sweep else args.sweep[0], rank=args.rank,
+                       roles=args.roles, group=args.group, space=args.space, calib=args.calib,
+                       calib_tokens=args.calib_tokens, sequential=args.sequential, refit=args.refit,
+                       dense=args.dense, cache=not args.no_cache)
 
 
-def budget_ranks(state: dict, spaces: dict[str, str], n_layers: int, group: int, budget: float) -> dict[str, int]:
-    """Per role, the largest shared rank that saves ``budget`` of that role's parameters in its space."""
-    from flowgeom.continuity.compress import HF_NAMES, layer_groups, share_rank_for_budget
+def _stage_progress(enabled: bool):
+    """A rich progress bar with one task per stage (calibrate, factorise, ...), or (None, None)."""
+    if not enabled or not sys.stderr.isatty():
+        return None, None
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    sizes = [len(g) for g in layer_groups(n_layers, group)]
-    return {role: share_rank_for_budget(*state[f"model.layers.0.{HF_NAMES[role]}.weight"].shape, sizes, budget, space)
-            for role, space in spaces.items()}
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                   TimeElapsedColumn(), TimeRemainingColumn(), console=Console(stderr=True), transient=True)
+    tasks: dict[str, int] = {}
+
+    def update(stage: str, done: int, total: int) -> None:
+        if stage not in tasks:
+            tasks[stage] = bar.add_task(stage, total=total)
+        bar.update(tasks[stage], completed=done, total=total)
+
+    return bar, update
 
 
 def run_share(args: argparse.Namespace) -> int:
-    from flowgeom.continuity.checkpoint_out import check_out_folder, save_llama_folder, write_folder
-    from flowgeom.continuity.compress import check_share, share_state_dict
-    from flowgeom.data.tokens import load_tokenizer
-    from flowgeom.nn.llama import llama_state_dict
+    from contextlib import nullcontext
+
+    from flowgeom.continuity.share import share_model
 
     apply_threads(args.threads)
-    t0 = time.perf_counter()
-    source = _source_path(args.source)
-    out = Path(args.out)
-    check_out_folder(source, out, force=args.force)  # before any work
-    cfg, state = llama_state_dict(source)
-    check_share(state, args.roles, n_layers=cfg.num_hidden_layers, group=args.group, rank=args.rank)  # before any SVD
-    # sharing needs no tokenizer: an HF folder saved without one gives a folder without one (said in the report)
-    untokenized = source.is_dir() and not (source / "tokenizer.json").exists() and not any(source.glob("*.gguf"))
-    tokenizer = None if untokenized else load_tokenizer(source)
-    if args.space == "auto":
-        spaces, evidence = auto_spaces(state, args.roles, cfg.num_hidden_layers)
-    else:
-        spaces, evidence = {r: args.space for r in args.roles}, {}
-    ranks = args.rank if args.budget is None else budget_ranks(state, spaces, cfg.num_hidden_layers, args.group,
-                                                                args.budget)
-    n_groups = -(-cfg.num_hidden_layers // args.group)
-    bar, update = _progress(not args.json, f"share {','.join(spaces)}: {len(spaces)} roles x {n_groups} groups")
-    if bar is not None:
-        with bar:
-            new_state, results = share_state_dict(state, spaces, n_layers=cfg.num_hidden_layers, group=args.group,
-                                                  rank=ranks, progress=update)
-    else:
-        new_state, results = share_state_dict(state, spaces, n_layers=cfg.num_hidden_layers, group=args.group,
-                                              rank=ranks)
-    total = sum(t.numel() for k, t in state.items() if k != "lm_head.weight" or not cfg.tie_word_embeddings)
-    saved = sum(r.saved for r in results)
-    report = {
-        "source": str(args.source), "out": str(out), "strategy": "shared-basis", "group": args.group,
-        "rank": args.rank, "budget": args.budget, "space": args.space,
-        "roles": {r.role: {"space": r.space, **({"auto": evidence[r.role]} if r.role in evidence else {}),
-                           "shape": list(r.shape), "groups": r.groups, "rank": r.rank, "dense_params": r.dense_params,
-                           "stored_params": r.stored_params, "saved_params": r.saved,
-                           "saved_fraction": r.saved / r.dense_params,
-                           "rel_error_mean": sum(r.rel_error) / len(r.rel_error), "rel_error": r.rel_error}
-                  for r in results},
-        "model_params": total, "saved_params": saved, "saved_fraction": saved / total,
-        "params_after": total - saved,
-        "tokenizer": None if tokenizer is None else "tokenizer.json",
-    }
-    write_folder(out, lambda tmp: save_llama_folder(tmp, cfg.to_hf(), new_state, tokenizer=tokenizer, report=report),
-                 force=args.force)
-    report["seconds"] = time.perf_counter() - t0
+    if args.sweep and (args.rank is not None or args.budget is not None or args.dense):
+        raise FlowgeomError("--sweep takes its budgets itself: drop --budget/--rank/--dense (or drop --sweep)")
+    config = _share_config(args)  # every option checked before any work
+    bar, update = _stage_progress(not args.json)
+    with bar if bar is not None else nullcontext():
+        if args.sweep:
+            from flowgeom.continuity.sweep import sweep_budgets
+
+            result = sweep_budgets(args.source, Path(args.out), config, args.sweep, force=args.force,
+                                   eval_tokens=args.eval_tokens, progress=update)
+        else:
+            result = share_model(args.source, Path(args.out), config, force=args.force, progress=update).report
     if args.json:
-        print_json(report)
+        print_json(result)
+    elif args.sweep:
+        _print_sweep(result)
     else:
-        _print_share(report)
+        _print_share(result)
     return 0
 
 
@@ -146,32 +113,54 @@ def _print_share(report: dict) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    how = (f"rank {report['rank']}" if report["budget"] is None else
-           f"budget {100 * report['budget']:g}% of each role")
-    table = Table(title=f"{escape(report['source'])} -> {escape(report['out'])}: groups of {report['group']}, {how}")
-    for col in ("role", "space", "shape", "rank", "dense", "stored", "saved", "rel. error"):
+    how = (f"rank {report['rank']}" if report["budget"] is None else f"budget {100 * report['budget']:g}% asked")
+    table = Table(title=f"{escape(report['source'])} -> {escape(report['out'])} ({report['format']}): "
+                        f"{report['method']}, {how}")
+    for col in ("role", "space", "shape", "groups", "rank", "dense", "stored", "saved", "rel. error"):
         table.add_column(col, justify="left" if col in ("role", "space") else "right")
     for role, r in report["roles"].items():
-        why = f" ({r['auto']['verdict']})" if "auto" in r else ""
-        table.add_row(role, r["space"] + why, "×".join(map(str, r["shape"])), str(r["rank"]), f"{r['dense_params']:,}",
-                      f"{r['stored_params']:,}", f"{r['saved_params']:,} ({100 * r['saved_fraction']:.1f}%)",
-                      f"{r['rel_error_mean']:.3f}")
+        sizes = sorted({len(g) for g in r["groups"]})
+        rank = str(r["rank"]) if r["rank"] is not None else "{}-{}".format(*r["rank_range"])
+        table.add_row(role, r["space"], "×".join(map(str, r["shape"])), "/".join(map(str, sizes)) + " layers",
+                      rank, f"{r['dense_params']:,}", f"{r['stored_params']:,}",
+                      f"{100 * r['saved_fraction']:.1f}%", f"{r['rel_error_mean']:.3f}")
     out = console()
     out.print(table)
+    got = report["scope_saved_fraction"]
     if report["budget"] is not None:
-        off = [f"{role} {100 * r['saved_fraction']:.1f}% ("
-               + (f"rank at its bound {r['rank']}" if r["rank"] in (1, min(r["shape"])) else "coarse rank steps") + ")"
-               for role, r in report["roles"].items() if abs(r["saved_fraction"] - report["budget"]) > BUDGET_TOL]
+        line = f"asked {100 * report['budget']:.1f}%, obtained {100 * got:.2f}% of the projections"
+        if abs(got - report["budget"]) > BUDGET_TOL:
+            out.print(f"[bold red]BUDGET NOT MET[/]: {line} (rank steps of these shapes); see the per-role column")
+        else:
+            out.print(line)
+        off = [f"{role} {100 * r['saved_fraction']:.1f}%" for role, r in report["roles"].items()
+               if report["method"] != "continuity" and abs(r["saved_fraction"] - report["budget"]) > BUDGET_TOL]
         if off:
-            out.print(f"note: saved more or less than the budget: {', '.join(off)}")
-    if report["tokenizer"] is None:
-        out.print("note: the source has no tokenizer.json, so none was written; evaluate the result with "
-                  "--compare next to a reference model that has one")
+            out.print(f"[bold yellow]per role, asked {100 * report['budget']:g}% but obtained:[/] {', '.join(off)}")
+    for note in report["notes"]:
+        out.print(f"note: {escape(note)}")
+    if report.get("calib"):
+        out.print(f"calibration: {report['calib_tokens']:,} tokens of {escape(report['calib'])}"
+                  f"{' (cached)' if report['calib_cached'] else ''}, {report['calib_seconds']:.1f} s")
     out.print(f"parameters saved: {report['saved_params']:,} of {report['model_params']:,} "
-              f"({100 * report['saved_fraction']:.1f}%; basis + per-layer coefficients counted); "
+              f"({100 * report['saved_fraction']:.1f}% of the model; bases + coefficients counted); "
               f"{report['seconds']:.1f} s")
-    if report["saved_params"] < 0:
-        out.print("note: the rank is too high for this group size: the factors store more than the dense matrices")
+
+
+def _print_sweep(result: dict) -> None:
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title=f"{escape(result['source'])}: {result['method']} sweep, held-out ppl "
+                        f"({result['eval_tokens']:,} tokens; reference {result['reference_ppl']:.3f})")
+    for col in ("budget asked", "saved", "ppl", "× reference"):
+        table.add_column(col, justify="right")
+    for row in result["points"]:
+        table.add_row(f"{100 * row['budget']:g}%", f"{100 * row['saved_fraction']:.2f}%", f"{row['ppl']:.3f}",
+                      f"{row['ppl_ratio']:.3f}")
+    out = console()
+    out.print(table)
+    out.print(f"curve: {escape(result['json'])}; figure: {escape(result['figure'])}")
 
 
 # ---------------------------------------------------------------- evaluate
@@ -182,7 +171,8 @@ def run_evaluate(args: argparse.Namespace) -> int:
     from flowgeom.continuity.lm_eval import QUICK_TOKENS, EvalConfig, perplexity, windows
     from flowgeom.data.text import load_text
     from flowgeom.data.tokens import cached_ids, load_tokenizer
-    from flowgeom.nn.llama import load_llama
+    from flowgeom.continuity.factored import load_model
+    from flowgeom.continuity.share import source_path
     from flowgeom.runs import check_out_file
 
     apply_threads(args.threads)
@@ -192,7 +182,7 @@ def run_evaluate(args: argparse.Namespace) -> int:
     max_tokens = args.tokens or (None if args.full else QUICK_TOKENS)
     config = EvalConfig(context=args.context, stride=args.stride, max_tokens=max_tokens, batch=args.batch)
     specs = [args.source] + list(args.compare or [])
-    paths = [_source_path(s) for s in specs]  # every path checked before any model is loaded
+    paths = [source_path(s) for s in specs]  # every path checked before any model is loaded
     tokenizer = load_tokenizer(paths[0])
     text = load_text(args.text, split="test") if args.text == "kjv" else load_text(args.text)
     ids = torch.from_numpy(cached_ids(text, tokenizer).astype("int64"))
@@ -201,7 +191,7 @@ def run_evaluate(args: argparse.Namespace) -> int:
     rows = []
     for spec, path in zip(specs, paths):
         t0 = time.perf_counter()
-        model = load_llama(path).to(device)
+        model = load_model(path).to(device)
         load_seconds = time.perf_counter() - t0
         if model.config.vocab_size < tokenizer.get_vocab_size():
             raise FlowgeomError(f"{spec} has {model.config.vocab_size} token embeddings but the tokenizer of "
@@ -261,29 +251,50 @@ def _print_evaluate(result: dict) -> None:
 
 def register_verbs(verbs) -> None:
     """Add ``share`` and ``evaluate`` to the ``continuity`` area's verb sub-parsers."""
-    p = command(verbs, "share", help="replace each group of adjacent layers' projections by one shared rank-r basis",
-                example="flowgeom continuity share builtin:smollm2 --out runs/shared --roles q,k,gate,up "
-                        "--group 2 --rank 256\n"
-                        "flowgeom continuity share model.gguf --out runs/s --roles o,down --space output --rank 192\n"
-                        "flowgeom continuity share builtin:smollm2 --out runs/q10 --roles q --budget 0.1",
+    p = command(verbs, "share", help="compress a Llama's projections (calibrated low rank, shared bases) into a "
+                                     "factored checkpoint",
+                example="flowgeom continuity share builtin:smollm2 --out runs/c20 --budget 0.2     # continuity\n"
+                        "flowgeom continuity share builtin:smollm2 --out runs/bs --method basis-sharing --budget 0.2\n"
+                        "flowgeom continuity share model.gguf --out runs/w --method whiten --budget 0.2 --sequential\n"
+                        "flowgeom continuity share builtin:smollm2 --out runs/sw --sweep 0.1,0.2,0.3",
                 func=run_share)
     p.add_argument("source",
                    help="Llama checkpoint: .gguf, builtin:smollm2, or an HF folder (config.json + safetensors)")
-    p.add_argument("--out", required=True, help="new folder for the HF-layout checkpoint (refused inside the source)")
-    p.add_argument("--roles", type=comma_list(ROLES, what="role"), default=("q", "k", "gate", "up", "o", "down"),
-                   help="roles to share, comma-separated (default q,k,gate,up,o,down)")
-    p.add_argument("--group", type=positive_int, default=2, help="adjacent layers per shared basis (default 2)")
-    size = p.add_mutually_exclusive_group(required=True)
-    size.add_argument("--rank", type=positive_int, help="rank r of each shared basis (one rank for every role)")
-    size.add_argument("--budget", type=finite_float(0.0, 1.0, hi_open=True), metavar="FRACTION",
-                      help="instead of --rank: per role, the largest rank that saves this fraction of the role's "
-                           "parameters (bases + coefficients counted), e.g. 0.1")
-    p.add_argument("--space", choices=("auto", "input", "output"), default="auto",
-                   help="input: W V V^T; output: U U^T W; auto: the space the analyzer measures as continuous "
-                        "per role (default)")
+    p.add_argument("--out", required=True, help="new folder for the checkpoint (refused inside the source)")
+    p.add_argument("--method", choices=METHODS, default="continuity",
+                   help="svd: data-free per layer (the floor); whiten: SVD-LLM per layer; basis-sharing: Wang et "
+                        "al. 2025 (q,k,v,gate,up shared in input space over --group layers); share: whitened "
+                        "sharing in --space; continuity: spaces, groups and budget split from the measured "
+                        "continuity (default)")
+    p.add_argument("--roles", type=comma_list(ROLES, what="role"), default=ROLES,
+                   help="roles to compress, comma-separated (default all seven)")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--budget", type=finite_float(0.0, 1.0, lo_open=True, hi_open=True), metavar="FRACTION",
+                      help="fraction of the roles' parameters to save, bases + coefficients counted (default 0.2)")
+    size.add_argument("--rank", type=positive_int, help="instead of --budget: one rank for every basis")
+    p.add_argument("--sweep", type=_budgets, metavar="B1,B2,...",
+                   help="compress at each budget, score held-out perplexity, write the curve (sweep.json, "
+                        "sweep.png) to --out instead of a checkpoint")
+    p.add_argument("--eval-tokens", type=bounded_int(2), default=4096,
+                   help="held-out KJV tokens scored per --sweep point (default 4096)")
+    p.add_argument("--group", type=positive_int, default=2,
+                   help="adjacent layers per shared basis for basis-sharing and share (default 2)")
+    p.add_argument("--space", choices=("auto", "seed", "opposite", "input", "output"),
+                   help="--method share only: seed (q,k,gate,up input; o,down output; v per layer, default), "
+                        "opposite, one space for all, or auto (the analyzer's measurement)")
+    p.add_argument("--calib", default="kjv", metavar="TEXT",
+                   help="calibration text: kjv (train split of the shipped KJV, default) or a UTF-8 file")
+    p.add_argument("--calib-tokens", type=positive_int, default=DEFAULT_CALIB_TOKENS,
+                   help=f"calibration tokens (default {DEFAULT_CALIB_TOKENS:,}: more than 10x the widest "
+                        "projection input of SmolLM2, so every Gram is full rank and well conditioned)")
+    p.add_argument("--sequential", action="store_true",
+                   help="calibrate each group on the already-compressed earlier layers (SVD-LLM / Basis Sharing)")
+    p.add_argument("--refit", action="store_true",
+                   help="re-solve shared coefficients by least squares against each layer's own Gram")
+    p.add_argument("--dense", action="store_true", help="write plain Llama weights instead of bases + coefficients")
+    p.add_argument("--no-cache", action="store_true", help="measure the calibration Grams again (not from the cache)")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out folder")
-    add_threads(p, default=1, help="torch CPU threads (default 1: on a shared, loaded machine 2 threads made share "
-                                   "15x slower; try 2 on an idle one)")
+    add_threads(p, default=None)
     add_json(p)
 
     p = command(verbs, "evaluate", help="perplexity of Llama checkpoints on the held-out KJV text",

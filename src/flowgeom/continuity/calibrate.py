@@ -1,0 +1,234 @@
+"""Calibration: the input Gram of every projection of a Llama, and the hidden-state statistics of pruning.
+
+**What is measured.** Calibration text is cut into ``seq_len``-token sequences
+and run through the model block by block. In block l four inputs are seen:
+the attention input (after ``input_layernorm``; read by q, k, v), the input of
+``o_proj``, the MLP input (after ``post_attention_layernorm``; read by gate
+and up) and the input of ``down_proj``. Each one's Gram ``X^T X`` accumulates in
+float64, chunk by chunk (:data:`GRAM_KEYS`).
+
+**Streamed, one block at a time.** The hidden states of all sequences
+(N x d floats) move from block to block, so memory holds one block's
+activations, never the whole model's. In the *sequential* variant (SVD-LLM and
+Basis Sharing at high ratios) ``on_group(layers, grams)`` may replace the
+weights of a group of blocks after their Grams are measured; the group's input
+is then propagated again through the compressed blocks, so every later Gram
+is measured on the activations the compressed model really produces.
+
+**Pruning statistics** come from the same pass, on the first
+:data:`PRUNE_TOKENS` tokens: the cosine of every token's hidden state before
+and after each block (ShortGPT's Block Influence ``BI_l = 1 - mean cos``) and
+the angular distance ``arccos(cos)/π`` between the inputs of blocks l and l+n
+for every n (Gromov et al.'s criterion for dropping n consecutive blocks).
+
+**Cache.** :func:`cached_calibration` stores the non-sequential result under
+``$FLOWGEOM_CACHE/grams/<key>.safetensors``, keyed by the sha256 of the model's
+weights, of the token ids and of ``seq_len``; the stored key is checked on
+read, and a file that does not parse or does not match is recomputed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from flowgeom.errors import FlowgeomError
+
+# Gram name -> (module whose input it is, the roles that read it)
+GRAM_KEYS = {"attn": ("self_attn.q_proj", ("q", "k", "v")), "o": ("self_attn.o_proj", ("o",)),
+             "mlp": ("mlp.gate_proj", ("gate", "up")), "down": ("mlp.down_proj", ("down",))}
+ROLE_GRAM = {role: key for key, (_, roles) in GRAM_KEYS.items() for role in roles}
+PRUNE_TOKENS = 2048  # tokens whose hidden states feed BI and the angular distances
+DEFAULT_TOKENS = 16384  # > 10x the widest projection input of SmolLM2 (1,536): Grams full rank and well conditioned
+FORMAT = "flowgeom-calibration-1"
+
+
+@dataclass
+class Calibration:
+    """``grams[l][key]`` (float64, (n, n)) per block and :data:`GRAM_KEYS` key; ``tokens`` seen;
+    ``block_influence[l]``; ``angular[n][l]`` = angular distance between the inputs of blocks l and l+n."""
+
+    grams: list[dict[str, torch.Tensor]]
+    tokens: int
+    seq_len: int
+    block_influence: list[float]
+    angular: dict[int, list[float]]
+
+    def role_grams(self, role: str, layers: Sequence[int]) -> torch.Tensor:
+        """The Grams role ``role`` sees in ``layers``, stacked (g, n, n)."""
+        return torch.stack([self.grams[l][ROLE_GRAM[role]] for l in layers])
+
+
+def sequences(ids: torch.Tensor, n_tokens: int, seq_len: int) -> torch.Tensor:
+    """The first ``n_tokens`` ids cut into (S, seq_len) rows; refused with the numbers when the text is short."""
+    if not isinstance(n_tokens, int) or n_tokens < seq_len:
+        raise FlowgeomError(f"--calib-tokens {n_tokens!r} is below one sequence of {seq_len} tokens; pass more")
+    if len(ids) < n_tokens:
+        raise FlowgeomError(f"the calibration text has {len(ids):,} tokens, fewer than --calib-tokens "
+                            f"{n_tokens:,}; pass a longer --calib text or a smaller --calib-tokens")
+    S = n_tokens // seq_len
+    return ids[: S * seq_len].long().reshape(S, seq_len)
+
+
+def check_rank(widths: dict[str, int], tokens: int) -> None:
+    """A Gram of n-dimensional inputs from fewer than n tokens cannot be whitened: refuse with the count."""
+    widest = max(widths.values())
+    if tokens < widest:
+        key = max(widths, key=widths.get)
+        raise FlowgeomError(f"{tokens:,} calibration tokens cannot give a full-rank Gram for the {widest}-wide "
+                            f"input of {GRAM_KEYS[key][0]}: at least {widest:,} are needed (the default "
+                            f"{DEFAULT_TOKENS:,} is safe); pass --calib-tokens {max(widest, 4 * widest):,} or more")
+
+
+def _gram_hooks(layer: torch.nn.Module, acc: dict[str, torch.Tensor]) -> list:
+    handles = []
+    for key, (path, _) in GRAM_KEYS.items():
+        module = layer.get_submodule(path)
+
+        def hook(_m, args, key=key):
+            x = args[0].reshape(-1, args[0].shape[-1]).double()  # (B T, n)
+            acc[key] = acc[key] + x.T @ x if key in acc else x.T @ x
+        handles.append(module.register_forward_pre_hook(hook))
+    return handles
+
+
+def _cos(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return F.cosine_similarity(a.double(), b.double(), dim=-1).clamp(-1, 1)
+
+
+@torch.inference_mode()
+def calibrate(model, ids: torch.Tensor, *, groups: Sequence[Sequence[int]] | None = None, batch: int = 4,
+              on_group: Callable[[list[int], list[dict[str, torch.Tensor]]], None] | None = None,
+              progress: Callable[[int, int], None] | None = None) -> Calibration:
+    """Grams and pruning statistics of a flowgeom :class:`~flowgeom.nn.llama.LlamaForCausalLM` on ``ids``
+    (S, T) sequences, block by block (module docstring). ``groups``: consecutive blocks compressed together
+    (default: one group per block); ``on_group(layers, their grams)`` (sequential variant) may change those
+    blocks' weights before their output is propagated."""
+    from flowgeom.nn.llama import rope_tables
+
+    cfg = model.config
+    L = cfg.num_hidden_layers
+    groups = [[l] for l in range(L)] if groups is None else [list(g) for g in groups]
+    if [l for g in groups for l in g] != list(range(L)):
+        raise FlowgeomError(f"calibration groups {groups} do not cover the {L} blocks in order")
+    S, T = ids.shape
+    param = next(model.parameters())
+    h = model.model.embed_tokens(ids.to(param.device))  # (S, T, d)
+    cos, sin = rope_tables(cfg, T, dtype=h.dtype, device=h.device)
+    keep = max(1, min(S, math.ceil(PRUNE_TOKENS / T)))  # sequences whose states feed the pruning statistics
+    grams: list[dict[str, torch.Tensor]] = [dict() for _ in range(L)]
+    inputs = [h[:keep].reshape(-1, h.shape[-1]).clone()]  # the state entering each block, then the last output
+
+    def run(layer, x: torch.Tensor, acc: dict | None) -> torch.Tensor:
+        handles = [] if acc is None else _gram_hooks(layer, acc)
+        try:
+            return torch.cat([layer(x[i:i + batch], cos, sin) for i in range(0, S, batch)])
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def flat(x: torch.Tensor) -> torch.Tensor:
+        return x[:keep].reshape(-1, x.shape[-1]).clone()
+
+    done = 0
+    for group in groups:
+        start, states = h, []
+        for l in group:
+            h = run(model.model.layers[l], h, grams[l])
+            states.append(flat(h))
+            done += 1
+            if progress:
+                progress(done, L)
+        if on_group is not None:
+            on_group(group, [grams[l] for l in group])
+            h, states = start, []
+            for l in group:  # the compressed blocks' own outputs feed what follows
+                h = run(model.model.layers[l], h, None)
+                states.append(flat(h))
+        inputs.extend(states)
+    bi = [1.0 - float(_cos(inputs[l], inputs[l + 1]).mean()) for l in range(L)]
+    angular = {n: [float((torch.arccos(_cos(inputs[l], inputs[l + n])) / math.pi).mean()) for l in range(L - n + 1)]
+               for n in range(1, L)}
+    return Calibration(grams, S * T, T, bi, angular)
+
+
+# ---------------------------------------------------------------- disk cache
+
+def weights_digest(state: dict[str, torch.Tensor]) -> str:
+    """sha256 over the names, shapes, dtypes and bytes of a state dict (sorted by name)."""
+    digest = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name].detach().contiguous().cpu()
+        digest.update(f"{name}|{list(t.shape)}|{t.dtype}|".encode())
+        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return digest.hexdigest()
+
+
+def calibration_key(state: dict[str, torch.Tensor], ids: torch.Tensor) -> str:
+    """The cache key of a calibration: sha256 of the weights, the (S, T) token ids and the format."""
+    digest = hashlib.sha256(f"{FORMAT}|{weights_digest(state)}|{list(ids.shape)}|".encode())
+    digest.update(ids.to(torch.int64).contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("FLOWGEOM_CACHE") or Path.home() / ".cache" / "flowgeom") / "grams"
+
+
+def save_calibration(path: Path, calib: Calibration, key: str) -> None:
+    import json
+
+    from safetensors.torch import save
+
+    from flowgeom.runs import atomic_write_bytes
+
+    tensors = {f"{l}.{k}": g.contiguous() for l, grams in enumerate(calib.grams) for k, g in grams.items()}
+    meta = {"key": key, "format": FORMAT, "tokens": str(calib.tokens), "seq_len": str(calib.seq_len),
+            "block_influence": json.dumps(calib.block_influence),
+            "angular": json.dumps({str(n): v for n, v in calib.angular.items()})}
+    atomic_write_bytes(path, save(tensors, metadata=meta))
+
+
+def load_calibration(path: Path, key: str, n_layers: int) -> Calibration | None:
+    """The cached calibration at ``path`` when it is whole and was stored for ``key``, else None."""
+    import json
+
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            if meta.get("key") != key or meta.get("format") != FORMAT:
+                return None
+            grams = [{k: f.get_tensor(f"{l}.{k}") for k in GRAM_KEYS} for l in range(n_layers)]
+        angular = {int(n): [float(x) for x in v] for n, v in json.loads(meta["angular"]).items()}
+        calib = Calibration(grams, int(meta["tokens"]), int(meta["seq_len"]),
+                            [float(x) for x in json.loads(meta["block_influence"])], angular)
+    except Exception:  # any damage (truncated, foreign, hand-edited) means: measure again
+        return None
+    if any(g.dtype != torch.float64 or not torch.isfinite(g).all() for grams in calib.grams for g in grams.values()):
+        return None
+    return calib
+
+
+def cached_calibration(model, state: dict[str, torch.Tensor], ids: torch.Tensor, *, cache: Path | None = None,
+                       progress: Callable[[int, int], None] | None = None) -> tuple[Calibration, bool]:
+    """``(calibration, from_cache)`` of the non-sequential pass; computed and stored when not cached."""
+    key = calibration_key(state, ids)
+    path = (cache or cache_dir()) / f"{key[:32]}.safetensors"
+    found = load_calibration(path, key, model.config.num_hidden_layers) if path.is_file() else None
+    if found is not None:
+        return found, True
+    calib = calibrate(model, ids, progress=progress)
+    try:
+        save_calibration(path, calib, key)
+    except (OSError, FlowgeomError):
+        pass  # a read-only cache only costs time
+    return calib, False

@@ -1,0 +1,377 @@
+"""Compress a Llama's projections: plans (space, grouping, rank per unit) and their factorisation.
+
+A *unit* is one role (q, k, v, o, gate, up, down) over a group of consecutive
+layers, stored as one basis and one coefficient matrix per layer
+(:class:`~flowgeom.continuity.factorize.Factors`). A method decides the units
+and their ranks (:func:`plan`); :func:`compress` factorises them with the
+calibration Grams, optionally sequentially (each group re-calibrated on the
+already-compressed earlier blocks) and with Basis Sharing's least-squares refit.
+
+Methods (``ratio`` c = fraction of the in-scope projection parameters saved):
+
+* ``svd`` - data-free truncated SVD per layer (the floor);
+* ``whiten`` - SVD-LLM: per layer, truncation-aware whitening;
+* ``basis-sharing`` - Basis Sharing (Wang et al., ICLR 2025): q, k, v, gate, up
+  share one whitened input-space basis per group of g layers, o and down are
+  whitened per layer; rank ``floor((1-c) d_in d_out g / (d_in + d_out g))``;
+* ``share`` - whitened sharing in a space chosen per role (``spaces``; the
+  seed's: q, k, gate, up input, o, down output, V per layer);
+* ``continuity`` - flowgeom's: per role the space the analyzer measures as
+  continuous; adjacent layers grouped where the whitened loss of one shared
+  basis beats two separate ones at the same cost; one budget for all roles,
+  split by a greedy allocation of ranks on the whitened spectra (the rank
+  that removes the most relative output error per stored number first).
+
+Budgets are met per role by the rank rule (floor: never over); the achieved
+fraction is reported next to the asked one (:attr:`Plan.saved_fraction`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from flowgeom.continuity import factorize as fz
+from flowgeom.continuity.calibrate import Calibration
+from flowgeom.errors import FlowgeomError, choice_error
+
+HF_NAMES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+            "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+ROLES = tuple(HF_NAMES)
+METHODS = ("svd", "whiten", "basis-sharing", "share", "continuity")
+SEED_SPACE = {"q": "input", "k": "input", "gate": "input", "up": "input", "o": "output", "down": "output"}
+BS_SHARED = ("q", "k", "v", "gate", "up")  # Basis Sharing's default: these share, o and down stay per layer
+
+
+def weight_key(layer: int, role: str) -> str:
+    return f"model.layers.{layer}.{HF_NAMES[role]}.weight"
+
+
+@dataclass(frozen=True)
+class Unit:
+    role: str
+    space: str  # input | output
+    layers: tuple[int, ...]
+    rank: int
+    shape: tuple[int, int]  # (m, n) of each layer's matrix
+
+    @property
+    def dense_params(self) -> int:
+        return len(self.layers) * self.shape[0] * self.shape[1]
+
+    @property
+    def stored_params(self) -> int:
+        return self.rank * fz.stored_per_rank(*self.shape, len(self.layers), self.space)
+
+
+@dataclass(frozen=True)
+class Plan:
+    method: str
+    ratio: float  # asked-for fraction saved
+    units: tuple[Unit, ...]
+    notes: tuple[str, ...] = ()
+    kept: tuple[tuple[str, int, tuple[int, int]], ...] = ()  # (role, layer, shape) left dense: cheaper than factors
+
+    @property
+    def dense_params(self) -> int:
+        return sum(u.dense_params for u in self.units) + sum(m * n for _, _, (m, n) in self.kept)
+
+    @property
+    def stored_params(self) -> int:
+        return sum(u.stored_params for u in self.units) + sum(m * n for _, _, (m, n) in self.kept)
+
+    @property
+    def saved_fraction(self) -> float:
+        return 1 - self.stored_params / self.dense_params
+
+    def by_role(self) -> dict[str, dict]:
+        """Per role: space(s), groups, ranks, asked and obtained saved fraction."""
+        out: dict[str, dict] = {}
+        for u in self.units:
+            r = out.setdefault(u.role, {"spaces": [], "groups": [], "ranks": [], "dense": 0, "stored": 0,
+                                        "shape": list(u.shape)})
+            r["spaces"].append(u.space)
+            r["groups"].append(list(u.layers))
+            r["ranks"].append(u.rank)
+            r["dense"] += u.dense_params
+            r["stored"] += u.stored_params
+        for role, layer, (m, n) in self.kept:
+            r = out.setdefault(role, {"spaces": [], "groups": [], "ranks": [], "dense": 0, "stored": 0,
+                                      "shape": [m, n]})
+            r["spaces"].append("dense")
+            r["groups"].append([layer])
+            r["ranks"].append(min(m, n))
+            r["dense"] += m * n
+            r["stored"] += m * n
+        for r in out.values():
+            r["saved_fraction"] = 1 - r["stored"] / r["dense"]
+            r["space"] = r["spaces"][0] if len(set(r["spaces"])) == 1 else "mixed"
+        return out
+
+
+@dataclass
+class Compressed:
+    """Factors per unit (float32) and what was measured while making them."""
+
+    plan: Plan
+    factors: list[fz.Factors]
+    notes: list[str] = field(default_factory=list)
+
+    def dense_state(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``state`` with every compressed projection replaced by its dense reconstruction (float32)."""
+        out = dict(state)
+        for unit, f in zip(self.plan.units, self.factors):
+            for l, w in zip(unit.layers, f.dense()):
+                out[weight_key(l, unit.role)] = w.float().contiguous()
+        return out
+
+
+# ---------------------------------------------------------------- plans
+
+def _shapes(state: Mapping[str, torch.Tensor], roles: Sequence[str], n_layers: int) -> dict[str, tuple[int, int]]:
+    shapes = {}
+    for role in roles:
+        if role not in HF_NAMES:
+            raise choice_error("role", role, ROLES)
+        seen = {tuple(state[weight_key(l, role)].shape) for l in range(n_layers) if weight_key(l, role) in state}
+        missing = [l for l in range(n_layers) if weight_key(l, role) not in state]
+        if missing:
+            raise FlowgeomError(f"role {role} ({HF_NAMES[role]}) is missing in layer(s) {missing[:5]}; pass roles "
+                                f"the model has")
+        if len(seen) != 1:
+            raise FlowgeomError(f"role {role} has different shapes across layers ({sorted(seen)}); every layer of "
+                                "a role must have the same shape to share bases")
+        shapes[role] = seen.pop()
+    return shapes
+
+
+def _fixed_units(role: str, space: str, shape: tuple[int, int], groups: Sequence[Sequence[int]],
+                 ratio: float) -> list[Unit]:
+    units = []
+    for g in groups:
+        rank = fz.rank_for_ratio(*shape, len(g), ratio, space)
+        if rank < 1:
+            raise FlowgeomError(f"a saving of {ratio:g} leaves no rank for role {role} ({shape[0]}x{shape[1]}) in a "
+                                f"group of {len(g)}; ask for a smaller saving")
+        units.append(Unit(role, space, tuple(g), rank, shape))
+    return units
+
+
+def plan(method: str, state: Mapping[str, torch.Tensor], *, n_layers: int, ratio: float,
+         roles: Sequence[str] = ROLES, group: int = 2, spaces: Mapping[str, str] | None = None,
+         calib: Calibration | None = None, continuity: Mapping[str, Mapping] | None = None) -> Plan:
+    """The units of ``method`` at saving ``ratio`` (see the module docstring).
+
+    ``spaces`` (method ``share``): role -> input/output/none (none: per layer, whitened). ``continuity``
+    (method ``continuity``): the analyzer's per-role measurements, ``{role: {"space": ..., "pairs": {(a, b):
+    above_chance}}}`` (:func:`continuity_evidence`); ``calib`` is needed by ``continuity``.
+    """
+    if method not in METHODS:
+        raise choice_error("method", method, METHODS)
+    if not 0.0 < ratio < 1.0:
+        raise FlowgeomError(f"budget {ratio!r} must be a fraction in (0, 1); e.g. 0.2 saves 20% of the projections")
+    shapes = _shapes(state, roles, n_layers)
+    singles = [[l] for l in range(n_layers)]
+    units: list[Unit] = []
+    if method in ("svd", "whiten"):
+        for role in roles:
+            units += _fixed_units(role, "input", shapes[role], singles, ratio)
+    elif method == "basis-sharing":
+        for role in roles:
+            grouped = role in BS_SHARED
+            units += _fixed_units(role, "input", shapes[role], fz.layer_groups(n_layers, group) if grouped else singles,
+                                  ratio)
+    elif method == "share":
+        spaces = dict(SEED_SPACE if spaces is None else spaces)
+        for role in roles:
+            space = spaces.get(role, "none")
+            if space == "none":
+                units += _fixed_units(role, "input", shapes[role], singles, ratio)
+            else:
+                units += _fixed_units(role, space, shapes[role], fz.layer_groups(n_layers, group), ratio)
+    else:
+        if calib is None or continuity is None:
+            raise FlowgeomError("the continuity method needs calibration Grams and the analyzer's measurements")
+        return _continuity_plan(state, shapes, n_layers, ratio, calib, continuity)
+    return Plan(method, ratio, tuple(units))
+
+
+def _energy(mats: torch.Tensor, grams: torch.Tensor) -> float:
+    """``sum_l ||W_l X_l||_F^2`` of a group."""
+    w = mats.double()
+    return float(torch.einsum("gmi,gij,gmj->", w, grams.double(), w))
+
+
+def _spectrum(mats: torch.Tensor, grams: torch.Tensor, space: str) -> torch.Tensor:
+    """The group's whitened ``σ_i^2`` (all of them, descending) in ``space``: the loss each rank removes."""
+    return fz.spectrum(mats, grams, space)[: min(mats.shape[1:])]
+
+
+def _continuity_plan(state, shapes, n_layers, ratio, calib, evidence) -> Plan:
+    notes = []
+    candidates: list[tuple[str, str, list[int], torch.Tensor, float]] = []  # role, space, layers, σ², energy
+    for role, (m, n) in shapes.items():
+        ev = evidence.get(role, {})
+        space = ev.get("space", "input")
+        mats = torch.stack([state[weight_key(l, role)] for l in range(n_layers)])
+        grams = calib.role_grams(role, range(n_layers))
+        groups: list[list[int]] = []
+        l = 0
+        while l < n_layers:
+            if l + 1 < n_layers and ev.get("pairs", {}).get((l, l + 1), False):
+                pair = [l, l + 1]
+                k_pair = fz.rank_for_ratio(m, n, 2, ratio, space)
+                k_one = fz.rank_for_ratio(m, n, 1, ratio, space)
+                shared = _spectrum(mats[pair], grams[pair], space)
+                separate = [_spectrum(mats[[i]], grams[[i]], space) for i in pair]
+                lost_shared = float(shared[k_pair:].sum())
+                lost_separate = sum(float(s[k_one:].sum()) for s in separate)
+                if 0 < k_pair and lost_shared < lost_separate:
+                    groups.append(pair)
+                    l += 2
+                    continue
+            groups.append([l])
+            l += 1
+        merged = sum(len(g) == 2 for g in groups)
+        if merged:
+            notes.append(f"{role}: {merged} adjacent pair(s) share a {space}-space basis")
+        for g in groups:
+            candidates.append((role, space, g, _spectrum(mats[g], grams[g], space), _energy(mats[g], grams[g])))
+    costs = [fz.stored_per_rank(*shapes[r], len(g), s) for r, s, g, _, _ in candidates]
+    gains = [sig / max(energy, 1e-300) for _, _, _, sig, energy in candidates]  # relative output error per rank
+    dense = sum(len(g) * shapes[r][0] * shapes[r][1] for r, _, g, _, _ in candidates)
+    # past break-even (k >= g m n / cost) a unit is cheaper dense: the allocation may stop there and keep it dense
+    caps = [len(g) * shapes[r][0] * shapes[r][1] // c for (r, _, g, _, _), c in zip(candidates, costs)]
+    ranks = fz.allocate(costs, gains, (1 - ratio) * dense, min_rank=[1] * len(candidates), max_rank=caps)
+    units, kept = [], []
+    for (r, s, g, _, _), k, cap in zip(candidates, ranks, caps):
+        if k >= cap:
+            kept += [(r, l, shapes[r]) for l in g]
+        else:
+            units.append(Unit(r, s, tuple(g), k, shapes[r]))
+    if kept:
+        notes.append(f"{len(kept)} projection(s) kept dense: the allocation gave them a rank past break-even")
+    return Plan("continuity", ratio, tuple(units), tuple(notes), tuple(kept))
+
+
+def with_rank(plan_: Plan, rank: int) -> Plan:
+    """``plan_`` with one rank for every unit (``--rank``), refused above a unit's bound."""
+    for u in plan_.units:
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 1 <= rank <= min(u.shape):
+            raise FlowgeomError(f"--rank {rank} is above the rank bound {min(u.shape)} of role {u.role} "
+                                f"({u.shape[0]}x{u.shape[1]}); pass --rank <= {min(u.shape)} or leave {u.role} "
+                                "out of --roles")
+    return Plan(plan_.method, plan_.ratio, tuple(Unit(u.role, u.space, u.layers, rank, u.shape)
+                                                 for u in plan_.units), plan_.notes, plan_.kept)
+
+
+def continuity_evidence(state: Mapping[str, torch.Tensor], roles: Sequence[str], n_layers: int) -> dict[str, dict]:
+    """Per role, from :func:`flowgeom.continuity.analyze`: the space measured as continuous (``space``, with the
+    verdict and v1/u1 ratios to chance) and, per adjacent pair, whether its subspace alignment in that space
+    is above chance (``pairs``)."""
+    from flowgeom.continuity import AnalyzeConfig, analyze
+
+    sub = {weight_key(l, r): state[weight_key(l, r)] for r in roles for l in range(n_layers)}
+    report = analyze(sub, AnalyzeConfig(roles=tuple(roles), gram=False, dtype="float32"))
+    out = {}
+    for role in roles:
+        r = report["roles"][role]
+        verdict = r["verdict"]
+        if verdict == "input-continuous":
+            space, guessed = "input", False
+        elif verdict == "output-continuous":
+            space, guessed = "output", False
+        else:
+            space, guessed = ("input" if r["v1_ratio"] >= r["u1_ratio"] else "output"), True
+        key = "subspace_in" if space == "input" else "subspace_out"
+        pairs = {}
+        for p in r["pairs"]:
+            if p["distance"] == 1:
+                chance = p.get(f"{key}_chance", p.get("subspace_chance"))
+                pairs[(p["a"], p["b"])] = p[key] > chance if chance is not None else True
+        out[role] = {"space": space, "verdict": verdict, "guessed": guessed, "v1_ratio": r["v1_ratio"],
+                     "u1_ratio": r["u1_ratio"], "pairs": pairs}
+    return out
+
+
+# ---------------------------------------------------------------- factorisation
+
+def _unit_factors(unit: Unit, state: Mapping[str, torch.Tensor], grams: torch.Tensor | None,
+                  refit: bool) -> fz.Factors:
+    mats = torch.stack([state[weight_key(l, unit.role)] for l in unit.layers])
+    f = fz.factorize(mats, grams, unit.rank, unit.space)
+    if refit and grams is not None and len(unit.layers) > 1:
+        f = fz.refit(f, mats, grams)
+    return f
+
+
+def _as_float(f: fz.Factors) -> fz.Factors:
+    return fz.Factors(f.space, f.basis.float().contiguous(), tuple(c.float().contiguous() for c in f.coeffs),
+                      f.sigma.float(), f.shift)
+
+
+def _shift_note(unit: Unit, f: fz.Factors) -> str | None:
+    return (f"{unit.role} layers {list(unit.layers)}: the Gram was not positive definite; shifted by {f.shift:.3g} "
+            "(SVD-LLM's jitter) before whitening") if f.shift else None
+
+
+def compress(plan_: Plan, state: Mapping[str, torch.Tensor], calib: Calibration | None, *, refit: bool = False,
+             progress: Callable[[int, int], None] | None = None) -> Compressed:
+    """Factorise every unit of ``plan_`` with the Grams of ``calib`` (None: data-free, method ``svd``)."""
+    factors, notes = [], []
+    for i, unit in enumerate(plan_.units):
+        grams = None if calib is None else calib.role_grams(unit.role, unit.layers)
+        f = _unit_factors(unit, state, grams, refit)
+        if (note := _shift_note(unit, f)) is not None:
+            notes.append(note)
+        factors.append(_as_float(f))
+        if progress:
+            progress(i + 1, len(plan_.units))
+    return Compressed(plan_, factors, notes)
+
+
+def calibration_groups(plan_: Plan, n_layers: int) -> list[list[int]]:
+    """The finest runs of consecutive blocks such that no unit of ``plan_`` spans two runs."""
+    cut = set(range(1, n_layers))
+    for u in plan_.units:
+        cut -= set(range(min(u.layers) + 1, max(u.layers) + 1))
+    edges = [0, *sorted(cut), n_layers]
+    return [list(range(a, b)) for a, b in zip(edges, edges[1:])]
+
+
+def compress_sequential(plan_: Plan, model, ids: torch.Tensor, *, refit: bool = False, batch: int = 4,
+                        progress: Callable[[int, int], None] | None = None) -> tuple[Compressed, Calibration]:
+    """Factorise ``plan_`` group by group, each group's Grams measured on the outputs of the already-compressed
+    blocks before it (SVD-LLM's and Basis Sharing's sequential calibration). ``model`` (a flowgeom Llama) is
+    modified in place: its projections become the dense reconstructions."""
+    from flowgeom.continuity.calibrate import calibrate
+
+    n_layers = model.config.num_hidden_layers
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    by_first: dict[int, list[int]] = {}
+    for i, u in enumerate(plan_.units):
+        by_first.setdefault(min(u.layers), []).append(i)
+    factors: list[fz.Factors | None] = [None] * len(plan_.units)
+    notes: list[str] = []
+
+    def on_group(layers: list[int], grams: list[dict[str, torch.Tensor]]) -> None:
+        local = {l: g for l, g in zip(layers, grams)}
+        for l in layers:
+            for i in by_first.get(l, []):
+                unit = plan_.units[i]
+                from flowgeom.continuity.calibrate import ROLE_GRAM
+
+                g = torch.stack([local[x][ROLE_GRAM[unit.role]] for x in unit.layers])
+                f = _unit_factors(unit, state, g, refit)
+                if (note := _shift_note(unit, f)) is not None:
+                    notes.append(note)
+                factors[i] = _as_float(f)
+                with torch.no_grad():
+                    for x, w in zip(unit.layers, factors[i].dense()):
+                        model.get_parameter(weight_key(x, unit.role)).copy_(w)
+
+    calib = calibrate(model, ids, groups=calibration_groups(plan_, n_layers), batch=batch, on_group=on_group,
+                      progress=progress)
+    return Compressed(plan_, [f for f in factors], notes), calib

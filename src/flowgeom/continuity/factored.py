@@ -1,0 +1,306 @@
+"""Factored checkpoints: bases and coefficients on disk, loaded as factored linear layers.
+
+**Folder layout** (what ``flowgeom continuity share`` writes)::
+
+    config.json               the HF Llama config (transformers reads it as is)
+    model.safetensors         every tensor that is not compressed (embeddings, norms, dense projections)
+                              + per unit  factored.<role>.<first>-<last>.basis
+                              + per layer model.layers.<l>.<module>.coeff
+    flowgeom_factored.json    {"format": "flowgeom-factored", "version": 1, "units": [...]}
+    tokenizer.json            when the source had one
+    flowgeom_share.json       the compression report
+
+A unit ``{"role", "space", "layers", "rank", "shape": [m, n], "basis", "coeffs"}``
+rebuilds layer l's projection as ``coeff_l @ basis`` (input space: basis (k, n),
+coeff (m, k)) or ``basis @ coeff_l`` (output space: basis (m, k), coeff (k, n)).
+:func:`read_factored` checks every tensor the JSON names against its shape and
+dtype, that no projection is both dense and factored or factored twice, and
+that nothing is left over: a hand-edited or truncated folder is one clear error.
+
+**Loading.** :func:`factored_llama` gives flowgeom's Llama and
+:func:`factored_hf_llama` a ``transformers.LlamaForCausalLM``, each with
+:class:`FactoredLinear` modules in place of the compressed projections; a
+group's basis is one shared parameter. :func:`dense_state` gives plain Llama
+weights (``--dense``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flowgeom.continuity.compression import HF_NAMES, Compressed, weight_key
+from flowgeom.errors import FlowgeomError
+
+FORMAT = "flowgeom-factored"
+VERSION = 1
+JSON_NAME = "flowgeom_factored.json"
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class FactoredLinear(nn.Module):
+    """``y = x B^T C^T`` (input space: basis B (k, n), coeff C (m, k)) or ``y = x C^T B^T`` (output space:
+    basis (m, k), coeff (k, n)); no bias. ``basis`` may be shared with other layers' modules."""
+
+    def __init__(self, basis: nn.Parameter, coeff: nn.Parameter, space: str):
+        super().__init__()
+        self.basis, self.coeff, self.space = basis, coeff, space
+
+    @property
+    def in_features(self) -> int:
+        return (self.basis if self.space == "input" else self.coeff).shape[1]
+
+    @property
+    def out_features(self) -> int:
+        return (self.coeff if self.space == "input" else self.basis).shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.space == "input":
+            return F.linear(F.linear(x, self.basis), self.coeff)
+        return F.linear(F.linear(x, self.coeff), self.basis)
+
+    def weight_dense(self) -> torch.Tensor:
+        return self.coeff @ self.basis if self.space == "input" else self.basis @ self.coeff
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, rank={self.basis.shape[0 if self.space == 'input' else 1]}, space={self.space}"
+
+
+def basis_name(role: str, layers: Sequence[int]) -> str:
+    return f"factored.{role}.{layers[0]}-{layers[-1]}.basis"
+
+
+def coeff_name(layer: int, role: str) -> str:
+    return f"model.layers.{layer}.{HF_NAMES[role]}.coeff"
+
+
+def factored_tensors(compressed: Compressed, state: Mapping[str, torch.Tensor], *, tie: bool
+                     ) -> tuple[dict[str, torch.Tensor], dict]:
+    """``(tensors for model.safetensors, the flowgeom_factored.json object)`` of a compression."""
+    tensors = {k: v for k, v in state.items() if not (k == "lm_head.weight" and tie)}
+    units = []
+    for unit, f in zip(compressed.plan.units, compressed.factors):
+        name = basis_name(unit.role, unit.layers)
+        tensors[name] = f.basis.float().contiguous()
+        coeffs = []
+        for l, c in zip(unit.layers, f.coeffs):
+            tensors.pop(weight_key(l, unit.role))
+            tensors[coeff_name(l, unit.role)] = c.float().contiguous()
+            coeffs.append(coeff_name(l, unit.role))
+        units.append({"role": unit.role, "space": unit.space, "layers": list(unit.layers), "rank": unit.rank,
+                      "shape": list(unit.shape), "basis": name, "coeffs": coeffs})
+    return {k: v.float().contiguous() for k, v in tensors.items()}, {"format": FORMAT, "version": VERSION,
+                                                                      "units": units}
+
+
+def save_factored(folder: Path, config_json: dict, compressed: Compressed, state: Mapping[str, torch.Tensor], *,
+                  tokenizer=None, report: dict | None = None) -> None:
+    """Write the factored folder (module docstring) into ``folder``."""
+    from safetensors.torch import save_file
+
+    from flowgeom.runs import to_json
+
+    tensors, meta = factored_tensors(compressed, state, tie=bool(config_json.get("tie_word_embeddings")))
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
+    (folder / JSON_NAME).write_text(json.dumps(meta, indent=2) + "\n")
+    if tokenizer is not None:
+        tokenizer.save(str(folder / "tokenizer.json"))
+    if report is not None:
+        (folder / "flowgeom_share.json").write_text(to_json(report, indent=2) + "\n")
+
+
+def is_factored(path: str | Path) -> bool:
+    return Path(path).is_dir() and (Path(path) / JSON_NAME).exists()
+
+
+@dataclass(frozen=True)
+class FactoredUnit:
+    role: str
+    space: str
+    layers: tuple[int, ...]
+    rank: int
+    shape: tuple[int, int]
+    basis: str
+    coeffs: tuple[str, ...]
+
+
+def _bad(folder: Path, what: str) -> FlowgeomError:
+    return FlowgeomError(f"{folder}: {what}; the factored folder was edited or truncated: write it again with "
+                         "`flowgeom continuity share`")
+
+
+def _units(folder: Path, meta: object, n_layers: int) -> list[FactoredUnit]:
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise _bad(folder, f"{JSON_NAME} is not a {FORMAT} v{VERSION} description")
+    raw = meta.get("units")
+    if not isinstance(raw, list) or not raw:
+        raise _bad(folder, f"{JSON_NAME} lists no units")
+    units, seen = [], set()
+    for i, u in enumerate(raw):
+        try:
+            role, space, layers, rank, shape = u["role"], u["space"], u["layers"], u["rank"], u["shape"]
+            ok = (role in HF_NAMES and space in ("input", "output") and isinstance(layers, list) and layers
+                  and all(isinstance(l, int) and not isinstance(l, bool) and 0 <= l < n_layers for l in layers)
+                  and isinstance(rank, int) and not isinstance(rank, bool) and isinstance(shape, list)
+                  and len(shape) == 2 and all(isinstance(s, int) and s >= 1 for s in shape)
+                  and 1 <= rank <= min(shape) and isinstance(u["basis"], str) and isinstance(u["coeffs"], list)
+                  and len(u["coeffs"]) == len(layers) and all(isinstance(c, str) for c in u["coeffs"]))
+        except (KeyError, TypeError):
+            ok = False
+        if not ok:
+            raise _bad(folder, f"unit {i} of {JSON_NAME} is malformed")
+        for l in layers:
+            if (role, l) in seen:
+                raise _bad(folder, f"{role} of layer {l} is factored twice")
+            seen.add((role, l))
+        units.append(FactoredUnit(role, space, tuple(layers), rank, tuple(shape), u["basis"], tuple(u["coeffs"])))
+    return units
+
+
+def read_factored(folder: str | Path) -> tuple[object, list[FactoredUnit], dict[str, torch.Tensor]]:
+    """``(LlamaConfig, units, tensors)`` of a factored folder, every tensor checked against the JSON."""
+    from flowgeom.continuity.checkpoint_files import parse_json, regular_file
+    from flowgeom.continuity.sources import open_source
+    from flowgeom.nn.llama import LlamaConfig
+
+    folder = Path(folder)
+    for name in ("config.json", JSON_NAME, "model.safetensors"):
+        if not (folder / name).exists():
+            raise _bad(folder, f"{name} is missing")
+        regular_file(folder / name, name)
+    try:
+        cfg = LlamaConfig.from_hf(parse_json((folder / "config.json").read_bytes(), "config.json"))
+        meta = parse_json((folder / JSON_NAME).read_bytes(), JSON_NAME)
+    except FlowgeomError as exc:
+        raise FlowgeomError(f"{folder}: {exc}") from None
+    units = _units(folder, meta, cfg.num_hidden_layers)
+    src = open_source(folder / "model.safetensors")
+    expected: dict[str, tuple[int, ...]] = {}
+    for u in units:
+        m, n = u.shape
+        expected[u.basis] = (u.rank, n) if u.space == "input" else (m, u.rank)
+        for c in u.coeffs:
+            expected[c] = (m, u.rank) if u.space == "input" else (u.rank, n)
+    for name, shape in expected.items():
+        if name not in src.shapes:
+            raise _bad(folder, f"tensor {name} named in {JSON_NAME} is not in model.safetensors")
+        if tuple(src.shapes[name]) != shape:
+            raise _bad(folder, f"tensor {name} has shape {list(src.shapes[name])}, {JSON_NAME} implies {list(shape)}")
+    for u in units:
+        for l, c in zip(u.layers, u.coeffs):
+            if c != coeff_name(l, u.role):
+                raise _bad(folder, f"unit {u.role} names coefficient {c} for layer {l}")
+            if weight_key(l, u.role) in src.shapes:
+                raise _bad(folder, f"{weight_key(l, u.role)} is stored both dense and factored")
+    tensors = {name: src.load(name) for name in src.shapes}
+    for name, t in tensors.items():
+        if t.dtype not in FLOAT_DTYPES:
+            raise _bad(folder, f"tensor {name} has dtype {str(t.dtype).replace('torch.', '')}, not a float type")
+        if not torch.isfinite(t).all():
+            raise _bad(folder, f"tensor {name} holds NaN or Inf")
+    return cfg, units, tensors
+
+
+def dense_state(units: Sequence[FactoredUnit], tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Plain Llama weights: every factored projection rebuilt densely (float32), factor tensors dropped."""
+    factor_names = {u.basis for u in units} | {c for u in units for c in u.coeffs}
+    out = {k: v.float() for k, v in tensors.items() if k not in factor_names}
+    for u in units:
+        basis = tensors[u.basis].float()
+        for l, c in zip(u.layers, u.coeffs):
+            coeff = tensors[c].float()
+            out[weight_key(l, u.role)] = coeff @ basis if u.space == "input" else basis @ coeff
+    return out
+
+
+def _install(model: nn.Module, prefix: str, units: Sequence[FactoredUnit], tensors: Mapping[str, torch.Tensor],
+             dtype: torch.dtype) -> None:
+    """Replace the factored projections of ``model`` (module paths ``prefix + model.layers...``) by
+    :class:`FactoredLinear` modules sharing one basis parameter per unit."""
+    for u in units:
+        basis = nn.Parameter(tensors[u.basis].to(dtype), requires_grad=False)
+        for l, c in zip(u.layers, u.coeffs):
+            path = f"{prefix}model.layers.{l}.{HF_NAMES[u.role]}"
+            parent_path, _, attr = path.rpartition(".")
+            coeff = nn.Parameter(tensors[c].to(dtype), requires_grad=False)
+            setattr(model.get_submodule(parent_path), attr, FactoredLinear(basis, coeff, u.space))
+
+
+def factored_llama(folder: str | Path, *, dtype: torch.dtype = torch.float32):
+    """flowgeom's :class:`~flowgeom.nn.llama.LlamaForCausalLM` with factored projections, in eval mode."""
+    from flowgeom.nn.llama import LlamaForCausalLM
+
+    cfg, units, tensors = read_factored(folder)
+    factor_names = {u.basis for u in units} | {c for u in units for c in u.coeffs}
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    _install(model, "", units, tensors, dtype)
+    model = model.to_empty(device="cpu")
+    _install(model, "", units, tensors, dtype)  # to_empty emptied the factors: fill them again
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    own = model.state_dict()
+    rest = {k: v for k, v in tensors.items() if k not in factor_names}
+    expected = {k for k in own if not k.endswith((".basis", ".coeff"))} - (
+        {"lm_head.weight"} if cfg.tie_word_embeddings else set())
+    missing, unexpected = sorted(expected - set(rest)), sorted(set(rest) - expected)
+    if missing or unexpected:
+        raise _bad(Path(folder), f"tensors do not match the config: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    with torch.no_grad():
+        for name, t in rest.items():
+            if tuple(t.shape) != tuple(own[name].shape):
+                raise _bad(Path(folder), f"tensor {name} has shape {list(t.shape)}, the config implies "
+                                         f"{list(own[name].shape)}")
+            own[name].copy_(t)
+    return model.to(dtype).eval()
+
+
+def factored_hf_llama(folder: str | Path, *, dtype: torch.dtype = torch.float32):
+    """A ``transformers.LlamaForCausalLM`` (the ``hf`` extra) with factored projections, in eval mode."""
+    try:
+        import transformers
+    except ImportError:
+        raise FlowgeomError("loading into transformers needs the hf extra: pip install 'flowgeom[hf]'") from None
+    cfg, units, tensors = read_factored(folder)
+    hf_cfg = transformers.LlamaConfig(**{k: v for k, v in cfg.to_hf().items() if k not in ("architectures",)})
+    model = transformers.LlamaForCausalLM(hf_cfg)
+    _install(model, "", units, tensors, dtype)
+    factor_names = {u.basis for u in units} | {c for u in units for c in u.coeffs}
+    rest = {k: v.to(dtype) for k, v in tensors.items() if k not in factor_names}
+    missing, unexpected = model.load_state_dict(rest, strict=False)
+    missing = [k for k in missing if not k.endswith((".basis", ".coeff"))
+               and not (k == "lm_head.weight" and cfg.tie_word_embeddings)]
+    if missing or unexpected:
+        raise _bad(Path(folder), f"tensors do not match the config: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    if cfg.tie_word_embeddings:
+        model.tie_weights()
+    return model.to(dtype).eval()
+
+
+def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32):
+    """flowgeom's Llama from a factored folder (:func:`factored_llama`) or any source ``load_llama`` reads."""
+    from flowgeom.nn.llama import load_llama
+
+    return factored_llama(path, dtype=dtype) if is_factored(path) else load_llama(path, dtype=dtype)
+
+
+def projection_bytes(folder: str | Path) -> tuple[int, int]:
+    """``(bytes of the factor tensors on disk, bytes the same projections take dense in float32)``."""
+    from flowgeom.continuity.sources import open_source
+
+    src = open_source(Path(folder) / "model.safetensors")
+    meta = json.loads((Path(folder) / JSON_NAME).read_text())
+    factored = dense = 0
+    for u in meta["units"]:
+        for name in [u["basis"], *u["coeffs"]]:
+            shape = src.shapes[name]
+            factored += int(torch.tensor(shape).prod()) * 4
+        dense += len(u["layers"]) * u["shape"][0] * u["shape"][1] * 4
+    return factored, dense

@@ -1,0 +1,289 @@
+"""``continuity share`` as a library call: calibrate, plan, factorise, write a factored (or dense) folder.
+
+:func:`share_model` is the one implementation the CLI and the sharing
+experiment use. Its steps, each refused up front on bad input (nothing is
+written and the source is never touched on any error):
+
+1. load the Llama (GGUF, ``builtin:smollm2`` or an HF folder), check it
+   (finite float weights, shapes as the config says);
+2. calibration ids: ``calib`` (``kjv``: the train split of the shipped KJV;
+   else a UTF-8 file) tokenised by the model's tokenizer, the first
+   ``calib_tokens`` in ``seq_len`` sequences;
+3. Grams (:mod:`flowgeom.continuity.calibrate`; cached on disk), the plan of
+   the method (:mod:`flowgeom.continuity.compression`), the factors (sequential
+   when asked);
+4. a factored folder (:mod:`flowgeom.continuity.factored`) or, with ``dense``,
+   plain Llama weights.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flowgeom.continuity import compression as C
+from flowgeom.continuity.calibrate import DEFAULT_TOKENS
+from flowgeom.errors import FlowgeomError, choice_error
+
+SPACE_CHOICES = ("auto", "seed", "opposite", "input", "output")
+Progress = Callable[[str, int, int], None]  # (stage, done, total)
+
+
+@dataclass(frozen=True)
+class ShareConfig:
+    method: str = "continuity"
+    budget: float | None = 0.2  # fraction of the in-scope projection parameters saved
+    rank: int | None = None  # instead of a budget: one rank for every unit
+    roles: tuple[str, ...] = C.ROLES
+    group: int = 2
+    space: str | None = None  # method share only (SPACE_CHOICES)
+    calib: str = "kjv"
+    calib_tokens: int = DEFAULT_TOKENS
+    seq_len: int = 512
+    sequential: bool = False
+    refit: bool = False
+    dense: bool = False
+    cache: bool = True
+
+    def __post_init__(self):
+        if self.method not in C.METHODS:
+            raise choice_error("method", self.method, C.METHODS)
+        if (self.budget is None) == (self.rank is None):
+            raise FlowgeomError("give exactly one of --budget (fraction saved) and --rank")
+        if self.budget is not None and not 0.0 < self.budget < 1.0:
+            raise FlowgeomError(f"--budget {self.budget!r} must be a fraction in (0, 1); e.g. 0.2 saves 20%")
+        if self.space is not None and self.method != "share":
+            raise FlowgeomError(f"--space goes with --method share only; --method {self.method} "
+                                + ("chooses spaces itself" if self.method == "continuity" else
+                                   "has fixed spaces (input space, per its paper)"))
+        if self.space is not None and self.space not in SPACE_CHOICES:
+            raise choice_error("space", self.space, SPACE_CHOICES)
+        if self.method == "continuity" and self.rank is not None:
+            raise FlowgeomError("--method continuity splits a --budget across roles; it takes no --rank")
+        if self.method == "svd" and (self.sequential or self.refit):
+            raise FlowgeomError("--method svd is data-free; --sequential and --refit need calibration (use whiten)")
+        if self.refit and self.method not in ("basis-sharing", "share", "continuity"):
+            raise FlowgeomError("--refit re-solves shared coefficients; it goes with basis-sharing, share or "
+                                "continuity")
+        for name in ("group", "calib_tokens", "seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise FlowgeomError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        if not self.roles or any(r not in C.ROLES for r in self.roles):
+            raise FlowgeomError(f"--roles must name roles among {', '.join(C.ROLES)}, got {list(self.roles)}")
+
+    @property
+    def calibrated(self) -> bool:
+        return self.method != "svd"
+
+
+def resolve_spaces(space: str | None, roles: Sequence[str], evidence: Mapping[str, Mapping] | None
+                   ) -> dict[str, str]:
+    """Role -> input/output/none for method ``share``: seed (V per layer), opposite, one space, or auto."""
+    space = space or "seed"
+    if space == "seed":
+        return {r: C.SEED_SPACE.get(r, "none") for r in roles}
+    if space == "opposite":
+        return {r: {"input": "output", "output": "input"}[C.SEED_SPACE[r]] if r in C.SEED_SPACE else "none"
+                for r in roles}
+    if space == "auto":
+        return {r: evidence[r]["space"] for r in roles}
+    return {r: space for r in roles}
+
+
+def calibration_ids(source: Path, calib: str, tokens: int, seq_len: int, tokenizer) -> torch.Tensor:
+    """(S, seq_len) calibration ids from ``calib`` (``kjv`` train split, or a UTF-8 file)."""
+    from flowgeom.continuity.calibrate import sequences
+    from flowgeom.data.text import load_text
+    from flowgeom.data.tokens import cached_ids
+
+    if tokenizer is None:
+        raise FlowgeomError(f"{source} has no tokenizer, so calibration text cannot be tokenised; copy the original "
+                            "model's tokenizer.json into it, or use --method svd (data-free)")
+    if calib == "kjv":
+        text = load_text("kjv", split="train")
+    else:
+        path = Path(calib)
+        if not path.is_file():
+            raise FlowgeomError(f"--calib {calib} is not a file; pass kjv or a UTF-8 text file")
+        text = load_text(str(path))
+    if not text.strip():
+        raise FlowgeomError(f"--calib {calib} holds no text; pass a UTF-8 text of at least --calib-tokens tokens")
+    ids = torch.from_numpy(cached_ids(text, tokenizer).astype("int64"))
+    return sequences(ids, tokens, seq_len)
+
+
+def check_weights(state: Mapping[str, torch.Tensor], roles: Sequence[str], n_layers: int) -> None:
+    for l in range(n_layers):
+        for role in roles:
+            key = C.weight_key(l, role)
+            t = state.get(key)
+            if t is None:
+                continue
+            if not t.is_floating_point():
+                raise FlowgeomError(f"{key} has dtype {str(t.dtype).replace('torch.', '')}: integer codes cannot be "
+                                    "compressed as weights; dequantise the checkpoint first")
+            if not torch.isfinite(t).all():
+                raise FlowgeomError(f"{key} holds NaN or Inf; the checkpoint is damaged: re-export it")
+
+
+@dataclass
+class Shared:
+    """What :func:`share_model` made: the plan, the factors and the report written beside them."""
+
+    compressed: C.Compressed
+    report: dict[str, Any]
+    state: dict[str, torch.Tensor] = field(repr=False)
+
+
+def _make(config: ShareConfig, cfg, state, source: Path, tokenizer, *, progress: Progress | None = None,
+          calib_cache: dict | None = None) -> tuple[C.Compressed, dict[str, Any]]:
+    """Plan + factors of one budget (the calibration shared through ``calib_cache`` across a sweep)."""
+    from flowgeom.continuity.calibrate import cached_calibration, calibrate, check_rank
+    from flowgeom.nn.llama import llama_from_state
+
+    L = cfg.num_hidden_layers
+    facts: dict[str, Any] = {"notes": []}
+    calib = None
+    cache = calib_cache if calib_cache is not None else {}
+    if config.calibrated:
+        if "ids" not in cache:
+            cache["ids"] = calibration_ids(source, config.calib, config.calib_tokens, config.seq_len, tokenizer)
+            check_rank({"attn": cfg.hidden_size, "o": cfg.num_attention_heads * cfg.head_dim,
+                        "mlp": cfg.hidden_size, "down": cfg.intermediate_size}, config.calib_tokens)
+        ids = cache["ids"]
+        if "calib" not in cache:
+            model = llama_from_state(cfg, state)
+            step = (lambda d, t: progress("calibrate", d, t)) if progress else None
+            t0 = time.perf_counter()
+            if config.cache:
+                cache["calib"], hit = cached_calibration(model, state, ids, progress=step)
+            else:
+                cache["calib"], hit = calibrate(model, ids, progress=step), False
+            cache["calib_seconds"], cache["calib_cached"] = time.perf_counter() - t0, hit
+            del model
+        calib = cache["calib"]
+        facts |= {"calib": config.calib, "calib_tokens": int(ids.numel()), "calib_cached": cache["calib_cached"],
+                  "calib_seconds": cache["calib_seconds"]}
+    evidence = None
+    if config.method == "continuity" or config.space == "auto":
+        if "evidence" not in cache:
+            cache["evidence"] = C.continuity_evidence(state, config.roles, L)
+        evidence = cache["evidence"]
+        facts["evidence"] = {r: {k: v for k, v in e.items() if k != "pairs"} for r, e in evidence.items()}
+        guessed = [r for r, e in evidence.items() if e["guessed"]]
+        if guessed:
+            facts["notes"].append(f"the analyzer measured no clear space for {', '.join(guessed)}; the larger of "
+                                  "the v1/u1 ratios chose it")
+    spaces = resolve_spaces(config.space, config.roles, evidence) if config.method == "share" else None
+    ratio = config.budget if config.budget is not None else 0.5  # with --rank the ratio only names the plan
+    p = C.plan(config.method, state, n_layers=L, ratio=ratio, roles=config.roles, group=config.group, spaces=spaces,
+               calib=calib, continuity=evidence)
+    if config.rank is not None:
+        p = C.with_rank(p, config.rank)
+    facts["notes"] += list(p.notes)
+    step = (lambda d, t: progress("factorise", d, t)) if progress else None
+    if config.sequential:
+        model = llama_from_state(cfg, state)
+        compressed, _ = C.compress_sequential(p, model, cache["ids"], refit=config.refit, progress=step)
+        del model
+    else:
+        compressed = C.compress(p, state, calib, refit=config.refit, progress=step)
+    facts["notes"] += compressed.notes
+    return compressed, facts
+
+
+def role_report(compressed: C.Compressed, state: Mapping[str, torch.Tensor],
+                calib=None) -> dict[str, dict[str, Any]]:
+    """Per role: spaces, groups, ranks, parameters and the relative errors (weights, and whitened when ``calib``)."""
+    out = compressed.plan.by_role()
+    for unit, f in zip(compressed.plan.units, compressed.factors):
+        r = out[unit.role]
+        dense = f.dense().double()
+        for l, w in zip(unit.layers, dense):
+            orig = state[C.weight_key(l, unit.role)].double()
+            r.setdefault("rel_error", []).append(float(torch.linalg.matrix_norm(orig - w)
+                                                       / torch.linalg.matrix_norm(orig)))
+    for role, _, _ in compressed.plan.kept:
+        out[role].setdefault("rel_error", []).append(0.0)
+    for role, r in out.items():
+        r["dense_params"], r["stored_params"] = r.pop("dense"), r.pop("stored")
+        r["saved_params"] = r["dense_params"] - r["stored_params"]
+        r["rel_error_mean"] = sum(r["rel_error"]) / len(r["rel_error"])
+        ranks = r["ranks"]
+        r["rank"] = ranks[0] if len(set(ranks)) == 1 else None
+        r["rank_range"] = [min(ranks), max(ranks)]
+    return out
+
+
+def share_model(source: str, out: Path, config: ShareConfig, *, force: bool = False,
+                progress: Progress | None = None) -> Shared:
+    """Compress ``source`` into the folder ``out`` (module docstring); returns the factors and the report."""
+    from flowgeom.continuity.checkpoint_out import check_out_folder, save_llama_folder, write_folder
+    from flowgeom.continuity.factored import save_factored
+    from flowgeom.nn.llama import llama_state_dict
+
+    t0 = time.perf_counter()
+    path = source_path(source)
+    check_out_folder(path, out, force=force)  # before any work
+    cfg, state = llama_state_dict(path)
+    check_weights(state, config.roles, cfg.num_hidden_layers)
+    tokenizer = model_tokenizer(path)
+    compressed, facts = _make(config, cfg, state, path, tokenizer, progress=progress)
+    report = build_report(source, out, config, cfg, state, compressed, facts)
+    report["tokenizer"] = None if tokenizer is None else "tokenizer.json"
+    if tokenizer is None:
+        report["notes"].append("the source has no tokenizer.json, so none was written; evaluate the result with "
+                               "--compare next to a reference model that has one")
+    new_state = compressed.dense_state(state) if config.dense else None
+
+    def fill(tmp: Path) -> None:
+        if config.dense:
+            save_llama_folder(tmp, cfg.to_hf(), new_state, tokenizer=tokenizer, report=report)
+        else:
+            save_factored(tmp, cfg.to_hf(), compressed, state, tokenizer=tokenizer, report=report)
+
+    write_folder(out, fill, force=force)
+    report["seconds"] = time.perf_counter() - t0
+    return Shared(compressed, report, state)
+
+
+def build_report(source, out, config: ShareConfig, cfg, state, compressed: C.Compressed,
+                 facts: Mapping[str, Any]) -> dict[str, Any]:
+    roles = role_report(compressed, state)
+    total = sum(t.numel() for k, t in state.items() if k != "lm_head.weight" or not cfg.tie_word_embeddings)
+    p = compressed.plan
+    saved = p.dense_params - p.stored_params
+    return {
+        "source": str(source), "out": str(out), "method": config.method, "budget": config.budget,
+        "rank": config.rank, "group": config.group, "space": config.space, "sequential": config.sequential,
+        "refit": config.refit, "format": "dense" if config.dense else "factored",
+        "scope_params": p.dense_params, "scope_saved_params": saved, "scope_saved_fraction": saved / p.dense_params,
+        "roles": roles, "model_params": total, "saved_params": saved, "saved_fraction": saved / total,
+        "params_after": total - saved, **{k: v for k, v in facts.items() if k != "notes"},
+        "notes": list(facts.get("notes", [])),
+    }
+
+
+def source_path(spec: str) -> Path:
+    if spec.startswith("builtin:"):
+        from flowgeom.continuity.sources import builtin_path
+
+        return builtin_path(spec)
+    path = Path(spec)
+    if not path.exists():
+        raise FlowgeomError(f"source {spec} does not exist; pass a .gguf, builtin:smollm2 or an HF Llama folder")
+    return path
+
+
+def model_tokenizer(path: Path):
+    """The source's tokenizer, or None for an HF folder saved without one (sharing with --method svd needs none)."""
+    from flowgeom.data.tokens import load_tokenizer
+
+    untokenized = path.is_dir() and not (path / "tokenizer.json").exists() and not any(path.glob("*.gguf"))
+    return None if untokenized else load_tokenizer(path)

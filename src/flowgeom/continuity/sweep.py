@@ -1,0 +1,96 @@
+"""``share --sweep``: held-out perplexity against parameters saved, one point per budget, to pick a safe budget.
+
+One calibration serves every budget. Each point compresses the model with
+the method and options of :class:`~flowgeom.continuity.share.ShareConfig`,
+builds the factored model in memory and scores the first ``eval_tokens``
+tokens of the held-out KJV split (context 512,
+:func:`flowgeom.continuity.lm_eval.perplexity`). The folder gets
+``sweep.json`` (the curve) and ``sweep.png`` (its figure), atomically.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flowgeom.continuity.share import Progress, ShareConfig, _make, check_weights, model_tokenizer, source_path
+from flowgeom.errors import FlowgeomError
+
+
+def held_out_ids(tokenizer, tokens: int | None) -> torch.Tensor:
+    from flowgeom.data.text import load_text
+    from flowgeom.data.tokens import cached_ids
+
+    ids = torch.from_numpy(cached_ids(load_text("kjv", split="test"), tokenizer).astype("int64"))
+    return ids if tokens is None else ids[:tokens]
+
+
+def sweep_budgets(source: str, out: Path, config: ShareConfig, budgets: Sequence[float], *, force: bool = False,
+                  eval_tokens: int = 4096, context: int = 512, progress: Progress | None = None) -> dict[str, Any]:
+    from flowgeom.continuity.checkpoint_out import check_out_folder, write_folder
+    from flowgeom.continuity.lm_eval import EvalConfig, perplexity
+    from flowgeom.nn.llama import llama_from_state, llama_state_dict
+    from flowgeom.runs import to_json
+
+    budgets = sorted(set(budgets))
+    path = source_path(source)
+    check_out_folder(path, out, force=force)
+    cfg, state = llama_state_dict(path)
+    check_weights(state, config.roles, cfg.num_hidden_layers)
+    tokenizer = model_tokenizer(path)
+    if tokenizer is None:
+        raise FlowgeomError(f"{source} has no tokenizer: the sweep scores held-out text; copy the model's "
+                            "tokenizer.json into the folder")
+    ids = held_out_ids(tokenizer, eval_tokens)
+    ev = EvalConfig(context=min(context, len(ids), cfg.max_position_embeddings), max_tokens=None)
+    t0 = time.perf_counter()
+    reference = perplexity(llama_from_state(cfg, state), ids, ev)["ppl"]
+    shared: dict = {}
+    points = []
+    for i, b in enumerate(budgets):
+        compressed, _ = _make(replace(config, budget=b, rank=None), cfg, state, path, tokenizer, calib_cache=shared,
+                              progress=progress)
+        model = llama_from_state(cfg, compressed.dense_state(state))
+        ppl = perplexity(model, ids, ev)["ppl"]
+        p = compressed.plan
+        points.append({"budget": b, "saved_fraction": p.saved_fraction, "saved_params": p.dense_params - p.stored_params,
+                       "ppl": ppl, "ppl_ratio": ppl / reference})
+        if progress:
+            progress("sweep", i + 1, len(budgets))
+    result = {"source": str(source), "method": config.method, "roles": list(config.roles),
+              "sequential": config.sequential, "refit": config.refit, "eval_tokens": int(len(ids)),
+              "context": ev.context, "reference_ppl": reference, "points": points,
+              "json": str(out / "sweep.json"), "figure": str(out / "sweep.png"),
+              "seconds": time.perf_counter() - t0}
+
+    def fill(tmp: Path) -> None:
+        (tmp / "sweep.json").write_text(to_json(result, indent=2) + "\n")
+        sweep_figure(result, tmp / "sweep.png")
+
+    write_folder(out, fill, force=force)
+    return result
+
+
+def sweep_figure(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.4))
+    pts = result["points"]
+    ax.plot([100 * p["saved_fraction"] for p in pts], [p["ppl"] for p in pts], "o-", label=result["method"])
+    ax.axhline(result["reference_ppl"], color="k", ls="--", lw=1, label="uncompressed")
+    ax.set_xlabel("projection parameters saved (%)")
+    ax.set_ylabel("held-out perplexity")
+    ax.set_yscale("log")
+    ax.legend()
+    ax.set_title(Path(result["source"]).name, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

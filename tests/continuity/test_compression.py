@@ -1,0 +1,280 @@
+"""Calibrated compression end to end on a tiny Llama: Grams against transformers' hidden states, every method,
+factored checkpoints (bytes, loaders, logits), sequential calibration, pruning statistics, and bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from test_share_evaluate import _byte_tokenizer, _run, hf_tiny
+
+from flowgeom.continuity import compression as C
+from flowgeom.continuity import factorize as fz
+from flowgeom.continuity.calibrate import GRAM_KEYS, cached_calibration, calibrate, sequences
+from flowgeom.continuity.checkpoint_out import save_llama_folder
+from flowgeom.continuity.factored import factored_hf_llama, factored_llama, projection_bytes, read_factored
+from flowgeom.nn.llama import LlamaConfig, llama_from_state, llama_state_dict
+
+transformers = pytest.importorskip("transformers")
+
+TEXT = ("In the beginning God created the heaven and the earth. And the earth was without form, and void; "
+        "and darkness was upon the face of the deep. ") * 40
+
+
+@pytest.fixture
+def tiny(tmp_path, monkeypatch):
+    """A tiny HF Llama folder with a byte tokenizer, a calibration text and a held-out text."""
+    monkeypatch.setenv("FLOWGEOM_CACHE", str(tmp_path / "cache"))
+    hf = hf_tiny()
+    folder = tmp_path / "tiny"
+    folder.mkdir()
+    save_llama_folder(folder, LlamaConfig.from_hf(hf.config.to_dict()).to_hf(), hf.state_dict(),
+                      tokenizer=_byte_tokenizer())
+    (tmp_path / "calib.txt").write_text(TEXT)
+    (tmp_path / "text.txt").write_text(TEXT[::-1])
+    return folder
+
+
+def _share(capsys, tiny, out, *argv):
+    calib = tiny.parent / "calib.txt"
+    return _run(capsys, "continuity", "share", str(tiny), "--out", str(out), "--calib", str(calib),
+                "--calib-tokens", "512", *argv)
+
+
+def _model_and_ids(tiny, tokens=512, seq_len=128):
+    cfg, state = llama_state_dict(tiny)
+    ids = torch.tensor(list(TEXT.encode()[:tokens]), dtype=torch.long).reshape(-1, seq_len)
+    return cfg, state, llama_from_state(cfg, state), ids
+
+
+# ---------------------------------------------------------------- calibration against an independent forward
+
+def test_grams_and_block_influence_match_transformers_hidden_states(tiny):
+    cfg, state, model, ids = _model_and_ids(tiny)
+    calib = calibrate(model, ids)
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(tiny), torch_dtype=torch.float64).eval()
+    with torch.no_grad():
+        hidden = hf(ids, output_hidden_states=True).hidden_states  # embeddings, then after each block (last normed)
+        layer = hf.model.layers[1]
+        x = layer.input_layernorm(hidden[1]).reshape(-1, cfg.hidden_size)
+        assert torch.allclose(calib.grams[1]["attn"], x.T @ x, rtol=1e-4, atol=1e-4 * float((x.T @ x).abs().max()))
+        post = hidden[1] + layer.self_attn(layer.input_layernorm(hidden[1]),
+                                           position_embeddings=hf.model.rotary_emb(hidden[1], torch.arange(
+                                               ids.shape[1])[None]), attention_mask=None)[0]
+        z = layer.post_attention_layernorm(post).reshape(-1, cfg.hidden_size)
+        assert torch.allclose(calib.grams[1]["mlp"], z.T @ z, rtol=1e-4, atol=1e-4 * float((z.T @ z).abs().max()))
+    assert calib.tokens == ids.numel()
+    # BI of block 0: 1 - mean cosine of its input and output (hidden states before the final norm)
+    cos = torch.nn.functional.cosine_similarity(hidden[0], hidden[1], dim=-1)
+    assert calib.block_influence[0] == pytest.approx(1 - float(cos.mean()), abs=1e-5)
+    assert set(calib.angular) == set(range(1, cfg.num_hidden_layers))
+    assert all(0 <= a <= 1 for v in calib.angular.values() for a in v)
+
+
+def test_calibration_cache_is_reused_and_a_tampered_file_recomputed(tiny, tmp_path):
+    cfg, state, model, ids = _model_and_ids(tiny)
+    first, hit = cached_calibration(model, state, ids, cache=tmp_path / "g")
+    assert not hit
+    again, hit = cached_calibration(model, state, ids, cache=tmp_path / "g")
+    assert hit and torch.equal(again.grams[2]["down"], first.grams[2]["down"])
+    [path] = list((tmp_path / "g").iterdir())
+    path.write_bytes(path.read_bytes()[:-64])  # truncated
+    third, hit = cached_calibration(model, state, ids, cache=tmp_path / "g")
+    assert not hit and torch.equal(third.grams[2]["down"], first.grams[2]["down"])
+    other = dict(state)
+    other["model.layers.0.mlp.up_proj.weight"] = state["model.layers.0.mlp.up_proj.weight"] * 2
+    _, hit = cached_calibration(llama_from_state(cfg, other), other, ids, cache=tmp_path / "g")
+    assert not hit  # keyed by the weights, not the file name
+
+
+def test_sequential_calibration_sees_the_compressed_earlier_blocks(tiny):
+    cfg, state, model, ids = _model_and_ids(tiny)
+    plain = calibrate(model, ids)
+    p = C.plan("whiten", state, n_layers=cfg.num_hidden_layers, ratio=0.5)
+    comp, seq = C.compress_sequential(p, llama_from_state(cfg, state), ids)
+    assert torch.allclose(seq.grams[0]["attn"], plain.grams[0]["attn"])  # block 0 sees the embeddings either way
+    assert not torch.allclose(seq.grams[2]["attn"], plain.grams[2]["attn"], rtol=1e-3)
+    # block l's factors are the whitened truncation of W_l under the Grams measured on the compressed prefix
+    u = next(i for i, u in enumerate(p.units) if u.role == "gate" and u.layers == (2,))
+    W = state[C.weight_key(2, "gate")][None]
+    want = fz.share_input(W, seq.grams[2]["mlp"][None], p.units[u].rank).dense()[0]
+    assert torch.allclose(comp.factors[u].dense()[0], want.float(), atol=1e-5)
+
+
+# ---------------------------------------------------------------- methods and plans
+
+@pytest.mark.parametrize("method", ["svd", "whiten", "basis-sharing", "share", "continuity"])
+def test_every_method_meets_the_budget_and_writes_a_loadable_factored_folder(tiny, tmp_path, capsys, method):
+    out = tmp_path / method
+    code, stdout, err = _share(capsys, tiny, out, "--method", method, "--budget", "0.25", "--json")
+    assert code == 0, err
+    report = json.loads(stdout)
+    assert report["format"] == "factored" and report["method"] == method
+    # rank floors store at most (1 - budget) of each role (continuity: of all roles, up to break-even rounding)
+    assert 0.25 - 0.01 <= report["scope_saved_fraction"] <= 0.36
+    factored, dense = projection_bytes(out)
+    kept = sum(m * n * 4 for _, r in report["roles"].items() for s, (m, n) in
+               zip(r["spaces"], [r["shape"]] * len(r["spaces"])) if s == "dense")
+    assert factored <= (0.75 + 0.01) * (dense + kept)
+    # the factored model's logits equal the dense reconstruction's, in flowgeom's Llama and in transformers
+    cfg, units, tensors = read_factored(out)
+    from flowgeom.continuity.factored import dense_state
+
+    ref = llama_from_state(cfg, dense_state(units, tensors))
+    ids = torch.tensor([[5, 9, 200, 17, 3, 44, 101]])
+    with torch.no_grad():
+        want = ref(ids)
+        assert (factored_llama(out)(ids) - want).abs().max() < 1e-5
+        assert (factored_hf_llama(out)(ids).logits - want).abs().max() < 1e-5
+    shared = [u for u in units if len(u.layers) > 1]
+    if method == "basis-sharing":
+        assert {u.role for u in shared} == {"q", "k", "v", "gate", "up"}
+        assert all(u.space == "input" for u in units)
+    if method in ("svd", "whiten"):
+        assert not shared
+
+
+def test_basis_sharing_uses_the_papers_rank_rule_and_split(tiny):
+    cfg, state, _, _ = _model_and_ids(tiny)
+    p = C.plan("basis-sharing", state, n_layers=4, ratio=0.3, group=2)
+    for u in p.units:
+        m, n = u.shape
+        g = len(u.layers)
+        assert u.rank == math.floor(0.7 * n * m * g / (n + m * g) + 1e-9)
+        assert g == (2 if u.role in C.BS_SHARED else 1)
+
+
+def test_whiten_beats_data_free_svd_on_held_out_perplexity(tiny, tmp_path, capsys):
+    for method in ("svd", "whiten"):
+        assert _share(capsys, tiny, tmp_path / method, "--method", method, "--budget", "0.4")[0] == 0
+    code, stdout, err = _run(capsys, "continuity", "evaluate", str(tiny), "--compare", str(tmp_path / "svd"),
+                             str(tmp_path / "whiten"), "--text", str(tiny.parent / "calib.txt"), "--context", "64",
+                             "--json")
+    assert code == 0, err
+    ref, svd, whiten = (r["ppl"] for r in json.loads(stdout)["models"])
+    assert abs(whiten - ref) < abs(svd - ref)  # on the calibration text, whitening keeps the outputs closer
+
+
+def test_continuity_plan_allocates_by_whitened_spectra(tiny):
+    cfg, state, model, ids = _model_and_ids(tiny)
+    calib = calibrate(model, ids)
+    evidence = {r: {"space": C.SEED_SPACE.get(r, "input"), "pairs": {}} for r in C.ROLES}
+    p = C.plan("continuity", state, n_layers=4, ratio=0.3, calib=calib, continuity=evidence)
+    assert p.stored_params <= 0.7 * p.dense_params + max(m * n for _, _, (m, n) in p.kept or [("", 0, (0, 0))])
+    assert len({u.rank for u in p.units}) > 1  # not one rank for all
+    # planting: a role whose weights are exactly rank 2 gets rank <= 2 where it is factored
+    planted = dict(state)
+    for l in range(4):
+        w = state[C.weight_key(l, "up")]
+        U, S, Vh = torch.linalg.svd(w, full_matrices=False)
+        planted[C.weight_key(l, "up")] = (U[:, :2] * S[:2]) @ Vh[:2]
+    p = C.plan("continuity", planted, n_layers=4, ratio=0.3, calib=calibrate(llama_from_state(cfg, planted), ids),
+               continuity=evidence)
+    assert all(u.rank <= 2 for u in p.units if u.role == "up")
+
+
+def test_sweep_writes_the_curve_and_its_figure(tiny, tmp_path, capsys):
+    out = tmp_path / "sweep"
+    code, stdout, err = _share(capsys, tiny, out, "--method", "whiten", "--sweep", "0.2,0.4", "--eval-tokens", "300",
+                               "--json")
+    assert code == 0, err
+    result = json.loads(stdout)
+    assert [p["budget"] for p in result["points"]] == [0.2, 0.4]
+    assert all(math.isfinite(p["ppl"]) and p["saved_fraction"] >= p["budget"] - 1e-9 for p in result["points"])
+    assert (out / "sweep.png").stat().st_size > 1000 and json.loads((out / "sweep.json").read_text())["points"]
+
+
+# ---------------------------------------------------------------- bad input: one line, exit 2, nothing written
+
+@pytest.mark.parametrize("argv,message", [
+    (["--method", "basis-sharing", "--space", "output"], "--space goes with --method share only"),
+    (["--method", "continuity", "--rank", "4"], "takes no --rank"),
+    (["--method", "svd", "--sequential"], "data-free"),
+    (["--budget", "1.5"], "--budget"),
+    (["--rank", "49", "--method", "whiten"], "rank bound 48"),
+    (["--calib-tokens", "40"], "below one sequence of 512"),
+])
+def test_share_options_that_do_not_go_together(tiny, tmp_path, capsys, argv, message):
+    code, _, err = _share(capsys, tiny, tmp_path / "o", *argv)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_share_calibration_text_problems(tiny, tmp_path, capsys):
+    short = tmp_path / "short.txt"
+    short.write_text("too short")
+    code, _, err = _run(capsys, "continuity", "share", str(tiny), "--out", str(tmp_path / "o"), "--calib", str(short),
+                        "--calib-tokens", "512")
+    assert code == 2 and "fewer than --calib-tokens 512" in err
+    binary = tmp_path / "bin.txt"
+    binary.write_bytes(b"\xff\xfe" * 400)
+    code, _, err = _run(capsys, "continuity", "share", str(tiny), "--out", str(tmp_path / "o"), "--calib",
+                        str(binary), "--calib-tokens", "512")
+    assert code == 2 and "not UTF-8" in err
+    long = tmp_path / "long.txt"
+    long.write_text(TEXT)
+    code, _, err = _run(capsys, "continuity", "share", str(tiny), "--out", str(tmp_path / "o"), "--calib", str(long),
+                        "--calib-tokens", "64", "--method", "whiten")
+    assert code == 2 and "below one sequence" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_too_few_calibration_tokens_for_the_widest_input_names_the_count(tiny):
+    from flowgeom.continuity.calibrate import check_rank
+    from flowgeom.errors import FlowgeomError
+
+    with pytest.raises(FlowgeomError, match=r"at least 1,536 are needed"):
+        check_rank({"attn": 576, "o": 576, "mlp": 576, "down": 1536}, 1024)
+
+
+def test_nan_weights_are_refused_before_any_work(tiny, tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(tiny / "model.safetensors"))
+    state["model.layers.1.self_attn.v_proj.weight"][0, 0] = float("nan")
+    save_file(state, str(tiny / "model.safetensors"))
+    code, _, err = _share(capsys, tiny, tmp_path / "o")
+    assert code == 2 and "v_proj" in err and "NaN" in err and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("damage,message", [
+    (lambda o: _edit_json(o, lambda m: m["units"][0].update(rank=m["units"][0]["rank"] + 1)), "has shape"),
+    (lambda o: _edit_json(o, lambda m: m["units"].append(dict(m["units"][0]))), "factored twice"),
+    (lambda o: _edit_json(o, lambda m: m.update(format="other")), "not a flowgeom-factored"),
+    (lambda o: (o / "model.safetensors").write_bytes((o / "model.safetensors").read_bytes()[:-100]), "model.safet"),
+    (lambda o: (o / "flowgeom_factored.json").unlink(), None),
+])
+def test_a_damaged_factored_folder_is_one_line_exit_2(tiny, tmp_path, capsys, damage, message):
+    out = tmp_path / "f"
+    assert _share(capsys, tiny, out, "--method", "basis-sharing", "--budget", "0.3")[0] == 0
+    damage(out)
+    code, _, err = _run(capsys, "continuity", "evaluate", str(tiny), "--compare", str(out), "--text",
+                        str(tiny.parent / "text.txt"), "--context", "64")
+    if message is None:  # without its JSON the folder is read as a plain Llama folder: the factors do not fit it
+        assert code == 2 and "missing" in err
+    else:
+        assert code == 2 and message in err, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def _edit_json(folder, edit):
+    path = folder / "flowgeom_factored.json"
+    meta = json.loads(path.read_text())
+    edit(meta)
+    path.write_text(json.dumps(meta))
+
+
+def test_share_refuses_an_out_inside_or_equal_to_the_source(tiny, tmp_path, capsys):
+    before = {p.name: p.read_bytes() for p in tiny.iterdir()}
+    for out in (tiny, tiny / "inside"):
+        code, _, err = _share(capsys, tiny, out, "--force")
+        assert code == 2 and "source" in err
+    assert {p.name: p.read_bytes() for p in tiny.iterdir()} == before
+
+
+def test_sequences_cut_whole_rows():
+    ids = torch.arange(1000)
+    assert sequences(ids, 600, 128).shape == (4, 128)
+    assert set(GRAM_KEYS) == {"attn", "o", "mlp", "down"}

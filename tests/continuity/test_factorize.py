@@ -1,0 +1,151 @@
+"""Activation-aware factorisations against independent computations (float64, planted ground truths)."""
+
+import itertools
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flowgeom.continuity import factorize as fz
+from flowgeom.errors import FlowgeomError
+
+
+def _grams(g, n, tokens, gen, scale=None):
+    """Gram of ``tokens`` anisotropic inputs per layer, (g, n, n)."""
+    scale = torch.logspace(0, -2, n, dtype=torch.float64) if scale is None else scale
+    X = torch.randn(g, tokens, n, generator=gen, dtype=torch.float64) * scale
+    return X.transpose(1, 2) @ X, X
+
+
+@settings(max_examples=25, deadline=None)
+@given(m=st.integers(2, 9), n=st.integers(2, 9), seed=st.integers(0, 10_000), data=st.data())
+def test_whitened_loss_is_the_discarded_spectrum(m, n, seed, data):
+    gen = torch.Generator().manual_seed(seed)
+    k = data.draw(st.integers(1, min(m, n)))
+    W = torch.randn(1, m, n, generator=gen, dtype=torch.float64)
+    G, X = _grams(1, n, 3 * n, gen)
+    f = fz.share_input(W, G, k)
+    approx = f.dense()
+    loss = float(torch.linalg.matrix_norm((W[0] - approx[0]) @ X[0].T) ** 2)  # ||(W - W') X^T||_F^2, X rows tokens
+    assert loss == pytest.approx(float((f.sigma[k:] ** 2).sum()), rel=1e-8, abs=1e-10)
+    assert float(fz.whitened_loss(W, approx, G)[0]) == pytest.approx(loss, rel=1e-8, abs=1e-10)
+
+
+def test_whitening_beats_plain_svd_on_the_data_loss():
+    gen = torch.Generator().manual_seed(0)
+    W = torch.randn(1, 12, 10, generator=gen, dtype=torch.float64)
+    G, _ = _grams(1, 10, 40, gen)
+    whitened = fz.whitened_loss(W, fz.share_input(W, G, 4).dense(), G)
+    plain = fz.whitened_loss(W, fz.share_input(W, None, 4).dense(), G)
+    assert float(whitened) < float(plain)
+    # the data-free case is Eckart-Young: same error as torch's own truncated SVD
+    U, S, Vh = torch.linalg.svd(W[0])
+    assert torch.allclose(fz.share_input(W, None, 4).dense()[0], (U[:, :4] * S[:4]) @ Vh[:4], atol=1e-12)
+
+
+@pytest.mark.parametrize("space", ["input", "output"])
+def test_planted_shared_basis_is_recovered_exactly(space):
+    gen = torch.Generator().manual_seed(1)
+    g, m, n, r = 3, 8, 7, 3
+    if space == "input":
+        B = torch.randn(r, n, generator=gen, dtype=torch.float64)
+        W = torch.stack([torch.randn(m, r, generator=gen, dtype=torch.float64) @ B for _ in range(g)])
+    else:
+        B = torch.randn(m, r, generator=gen, dtype=torch.float64)
+        W = torch.stack([B @ torch.randn(r, n, generator=gen, dtype=torch.float64) for _ in range(g)])
+    G, _ = _grams(g, n, 30, gen)
+    f = fz.factorize(W, G, r, space)
+    assert torch.allclose(f.dense(), W, atol=1e-9)
+    assert f.stored() == r * fz.stored_per_rank(m, n, g, space)
+    assert float(f.sigma[r:].abs().max()) < 1e-6 * float(f.sigma[0])
+
+
+def test_group_basis_equals_brute_force_svd_of_the_stacked_whitened_matrices():
+    gen = torch.Generator().manual_seed(2)
+    g, m, n, k = 2, 6, 5, 3
+    W = torch.randn(g, m, n, generator=gen, dtype=torch.float64)
+    G, _ = _grams(g, n, 25, gen)
+    f = fz.share_input(W, G, k)
+    # independent: eigenvectors of S^T (sum_l W_l^T W_l) S with S from an eigendecomposition square root
+    Gs = G.sum(0)
+    S = torch.linalg.cholesky(Gs)
+    M = S.T @ torch.einsum("gmi,gmj->ij", W, W) @ S
+    _, vecs = torch.linalg.eigh(M)
+    V = vecs[:, -k:]
+    P_brute = V @ V.T  # projector onto the top-k right singular space of [W_1; W_2] S
+    # the basis rows span S^{-T} V: map back and compare projectors
+    Vk = (f.basis @ S).T  # (n, k) = V_k (orthonormal)
+    assert torch.allclose(Vk.T @ Vk, torch.eye(k, dtype=torch.float64), atol=1e-10)
+    assert torch.allclose(Vk @ Vk.T, P_brute, atol=1e-9)
+
+
+def test_output_basis_minimises_the_whitened_loss_over_random_bases():
+    gen = torch.Generator().manual_seed(3)
+    g, m, n, k = 2, 6, 5, 2
+    W = torch.randn(g, m, n, generator=gen, dtype=torch.float64)
+    G, _ = _grams(g, n, 25, gen)
+    best = float(fz.whitened_loss(W, fz.share_output(W, G, k).dense(), G).sum())
+    for _ in range(50):
+        U, _ = torch.linalg.qr(torch.randn(m, k, generator=gen, dtype=torch.float64))
+        assert best <= float(fz.whitened_loss(W, U @ U.T @ W, G).sum()) + 1e-9
+    # and equals the discarded eigenvalues of sum_l W_l G_l W_l^T
+    sig = fz.share_output(W, G, k).sigma
+    assert best == pytest.approx(float((sig[k:] ** 2).sum()), rel=1e-8)
+
+
+def test_refit_is_the_per_layer_least_squares_solution_and_never_worse():
+    gen = torch.Generator().manual_seed(4)
+    g, m, n, k = 2, 6, 8, 3
+    W = torch.randn(g, m, n, generator=gen, dtype=torch.float64)
+    G, X = _grams(g, n, 40, gen)
+    D = torch.diag(torch.logspace(1, -1, n, dtype=torch.float64))
+    G[1] = D @ G[1] @ D  # layers see different inputs
+    f = fz.share_input(W, G, k)
+    r = fz.refit(f, W, G)
+    before = fz.whitened_loss(W, f.dense(), G)
+    after = fz.whitened_loss(W, r.dense(), G)
+    assert (after <= before + 1e-9).all()
+    for l in range(g):  # lstsq: min_C ||W_l X_l^T - C B X_l^T||
+        Z = (f.basis @ G[l] @ f.basis.T)
+        C = torch.linalg.solve(Z, (W[l] @ G[l] @ f.basis.T).T).T
+        assert torch.allclose(r.coeffs[l], C, atol=1e-5, rtol=1e-5)
+
+
+def test_whitener_shifts_a_singular_gram_like_svd_llm():
+    gen = torch.Generator().manual_seed(5)
+    X = torch.randn(3, 6, generator=gen, dtype=torch.float64)  # 3 tokens for 6 inputs: rank 3
+    S, shift = fz.whitener(X.T @ X)
+    assert shift > 0
+    lam = torch.linalg.eigvalsh(X.T @ X)[0]
+    assert shift == pytest.approx(float(-lam) + fz.JITTER)
+    assert torch.allclose(S @ S.T, X.T @ X + shift * torch.eye(6, dtype=torch.float64), atol=1e-10)
+    S, shift = fz.whitener(torch.eye(4, dtype=torch.float64))
+    assert shift == 0.0
+
+
+@pytest.mark.parametrize("m,n,g,c", [(576, 576, 2, 0.2), (192, 576, 2, 0.2), (1536, 576, 3, 0.3), (576, 1536, 1, 0.1)])
+def test_rank_rule_is_basis_sharings_formula_and_never_over_budget(m, n, g, c):
+    k = fz.rank_for_ratio(m, n, g, c, "input")
+    assert k == min(math.floor((1 - c) * n * m * g / (n + m * g)), min(m, n))
+    assert k * (n + g * m) <= (1 - c) * g * m * n
+    assert (k + 1) * (n + g * m) > (1 - c) * g * m * n or k == min(m, n)
+    with pytest.raises(FlowgeomError, match="fraction"):
+        fz.rank_for_ratio(m, n, g, 1.0)
+
+
+def test_allocate_matches_brute_force_on_a_small_knapsack():
+    gen = torch.Generator().manual_seed(6)
+    costs = [3, 5, 4]
+    gains = [torch.sort(torch.rand(4, generator=gen), descending=True).values for _ in costs]
+    budget = 25
+    best = max((sum(float(gains[u][:r].sum()) for u, r in enumerate(rs)), rs)
+               for rs in itertools.product(range(5), repeat=3) if sum(r * c for r, c in zip(rs, costs)) <= budget)
+    got = fz.allocate(costs, gains, budget)
+    value = sum(float(gains[u][:r].sum()) for u, r in enumerate(got))
+    assert sum(r * c for r, c in zip(got, costs)) <= budget
+    # greedy on sorted ratios is optimal up to one item's gain
+    assert value >= best[0] - max(float(g[0]) for g in gains)
+    with pytest.raises(FlowgeomError, match="cannot hold rank 1"):
+        fz.allocate(costs, gains, 5, min_rank=[1, 1, 1])
