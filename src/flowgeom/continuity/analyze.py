@@ -383,6 +383,13 @@ def analyze(source, config: AnalyzeConfig | None = None, *, custom_roles: Mappin
                               stop=stop)
     if analyzer.device.type == "cuda":
         torch.cuda.synchronize()
+    first = config.distances[0]
+    single = [role for role, r in roles.items() if sum(p["distance"] == first for p in r["pairs"]) == 1]
+    if single:  # a mean ± sd over one pair is one number: say so, loudly
+        analyzer.layout.warnings.append(
+            f"{'role' if len(single) == 1 else 'roles'} {', '.join(single)}: one layer pair at distance {first}, so each "
+            "mean is that pair's value, its sd (±0.000) means nothing and the verdict rests on one pair; analyse a "
+            "checkpoint with more layers")
     return {
         "source": _label(source, src),
         "scheme": analyzer.layout.scheme,
