@@ -40,16 +40,28 @@ def _records(data: bytes):
             pending = b""
 
 
-def read_history(run_dir: str | Path) -> list[dict]:
-    """The logged rows ``[{key: value, '_step': k}]`` of the offline run in ``run_dir``."""
+def read_history(run_dir: str | Path, *, timeout: float = 60.0) -> list[dict]:
+    """The logged rows ``[{key: value, '_step': k}]`` of the offline run in ``run_dir``.
+
+    wandb's service process writes the file; ``run.finish()`` returns once the run is closed, but on a loaded
+    machine the last records can land a moment later, so this reads until the run's ``exit`` record is there.
+    """
+    import time
+
     from wandb.proto import wandb_internal_pb2 as pb
 
-    (path,) = Path(run_dir).glob("run-*.wandb")
-    rows = []
-    for raw in _records(path.read_bytes()):
-        rec = pb.Record()
-        rec.ParseFromString(raw)
-        if rec.WhichOneof("record_type") == "history":
-            rows.append({(item.key or "/".join(item.nested_key)): json.loads(item.value_json)
-                         for item in rec.history.item})
-    return rows
+    deadline = time.monotonic() + timeout
+    while True:
+        (path,) = Path(run_dir).glob("run-*.wandb")
+        rows, done = [], False
+        for raw in _records(path.read_bytes()):
+            rec = pb.Record()
+            rec.ParseFromString(raw)
+            kind = rec.WhichOneof("record_type")
+            if kind == "history":
+                rows.append({(item.key or "/".join(item.nested_key)): json.loads(item.value_json)
+                             for item in rec.history.item})
+            done = done or kind == "exit"
+        if done or time.monotonic() > deadline:
+            return rows
+        time.sleep(0.2)

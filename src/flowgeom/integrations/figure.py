@@ -9,6 +9,7 @@ behind the figure, not the file's size.
 
 from __future__ import annotations
 
+import io
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -33,8 +34,9 @@ def drift_series(history: Sequence[Mapping[str, Any]]) -> dict[str, Series]:
 
 
 def plot_drift(history: Sequence[Mapping[str, Any]], path: str | os.PathLike, *, title: str) -> dict[str, Series]:
-    """Write the figure of ``history`` (per-family records) to ``path`` (PNG, atomic); returns what it drew."""
-    from flowgeom.report.figures import _figure, check_figure_path, save
+    """Write the figure of ``history`` (per-family records) to ``path`` (PNG, PDF, SVG…, atomic); returns what it drew."""
+    from flowgeom.report.figures import _figure, check_figure_path
+    from flowgeom.runs import atomic_write_bytes
 
     path = check_figure_path(path)
     series = drift_series(history)
@@ -59,5 +61,7 @@ def plot_drift(history: Sequence[Mapping[str, Any]], path: str | os.PathLike, *,
     ax.set_ylabel("ε (relative change since θ_0)")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=6, ncol=2)
-    save(fig, Path(path))
+    buf = io.BytesIO()  # in the format the extension names (report.figures.save writes PNG whatever the name)
+    fig.savefig(buf, format=Path(path).suffix.lstrip(".").lower(), dpi=110, bbox_inches="tight")
+    atomic_write_bytes(path, buf.getvalue())
     return series

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import os
 import textwrap
+import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ import torch
 from torch import nn
 
 from flowgeom.errors import FlowgeomError, shown
+from flowgeom.laws.locate import FlowgeomWarning
 from flowgeom.laws.monitor import ConservationMonitor
 from flowgeom.laws.predict import DriftPredictor, hyper_of
 from flowgeom.laws.verdict import HELD_THRESHOLD, KINDS, describe_optimizer, info_of_kind, unwrap_optimizer
@@ -109,7 +111,15 @@ class MonitorSession:
         if not supported:
             raise FlowgeomError(f"predict='on' needs torch.optim.SGD without nesterov/dampening (Kunin et al.'s "
                                 f"modified equation); the optimiser is {info.name}: use predict='auto' or 'off'")
-        return DriftPredictor(self.monitor)
+        predictor = DriftPredictor(self.monitor)
+        try:  # every law's parameters must sit in a group of this optimiser: refuse now, not at the first step
+            predictor.per_item(self._hyper_now(), "lr")
+        except FlowgeomError as exc:
+            if predict == "on":
+                raise
+            warnings.warn(f"no predicted drift: {exc}", FlowgeomWarning, stacklevel=3)
+            return None
+        return predictor
 
     # ------------------------------------------------------------------ per step
 
