@@ -10,7 +10,7 @@ Then the Gibbs measure satisfies a Poincaré inequality and the SDE converges
 exponentially (``O(log 1/ε)`` time to ε-suboptimality).
 
 The probe evaluates ``V``, ``‖∇V‖²`` and ``ΔV`` (exact Hessian trace via
-``torch.func.jacrev(grad)`` for ``D ≤ exact_max_dim``; otherwise Hutchinson,
+the Hessian's diagonal (plain autograd) for ``D ≤ exact_max_dim``; otherwise Hutchinson,
 ``ΔV ≈ mean_j z_jᵀ H z_j`` with Rademacher ``z_j``, error bar = standard
 error of the mean) along
 
@@ -53,7 +53,6 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-from torch.func import grad, jacrev, vmap
 
 from flowgeom.errors import FlowgeomError
 from flowgeom.langevin.losses import Objective
@@ -72,9 +71,26 @@ class Derivatives:
         return self.grad_sq / temperature - self.laplacian
 
 
+# Reverse mode through plain torch.autograd, not torch.func: the first torch.func.grad call
+# imports all of torch._dynamo (1–4 s per process), longer than a whole tiny probe.
+
+
+def _value_and_grad(fn, theta: torch.Tensor, *, create_graph: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(θ with grad, V(θ), ∇V(θ))``; with ``create_graph`` the gradient can be differentiated again."""
+    th = theta.detach().requires_grad_(True)
+    with torch.enable_grad():
+        value = fn(th)
+        (g,) = torch.autograd.grad(value, th, create_graph=create_graph)
+    return th, value.detach(), g
+
+
 def laplacian_exact(fn, theta: torch.Tensor) -> torch.Tensor:
-    """``tr ∇²V(θ)`` from the full Hessian (D D), reverse-over-reverse."""
-    return torch.diagonal(jacrev(grad(fn))(theta)).sum()
+    """``tr ∇²V(θ)`` from the Hessian's diagonal, one reverse pass per coordinate (D ≤ exact_max_dim)."""
+    th, _, g = _value_and_grad(fn, theta, create_graph=True)
+    d = theta.numel()
+    with torch.enable_grad():
+        diag = [torch.autograd.grad(g[i], th, retain_graph=i < d - 1)[0][i] for i in range(d)]  # ∂²V/∂θ_i²
+    return torch.stack(diag).sum()
 
 
 def laplacian_hutchinson(fn, theta: torch.Tensor, *, probes: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,19 +98,17 @@ def laplacian_hutchinson(fn, theta: torch.Tensor, *, probes: int, generator: tor
     if probes < 2:
         raise FlowgeomError(f"Hutchinson needs at least 2 probes for an error bar, got {probes}")
     z = torch.randint(0, 2, (probes, theta.numel()), generator=generator).to(theta.dtype) * 2 - 1  # (m, D)
-
-    def quad(v: torch.Tensor) -> torch.Tensor:  # vᵀ H v with H v = ∇(∇V·v)
-        return (grad(lambda th: (grad(fn)(th) * v).sum())(theta) * v).sum()
-
-    samples = vmap(quad)(z)  # (m,)
+    th, _, g = _value_and_grad(fn, theta, create_graph=True)
+    with torch.enable_grad():  # vᵀ H v with H v = ∇(∇V·v), one Hessian-vector product per probe
+        samples = torch.stack([(torch.autograd.grad(g, th, v, retain_graph=j < probes - 1)[0] * v).sum()
+                               for j, v in enumerate(z)])  # (m,)
     return samples.mean(), samples.std() / math.sqrt(probes)
 
 
 def derivatives(fn, theta: torch.Tensor, *, exact: bool, probes: int = 64,
                 generator: torch.Generator | None = None) -> Derivatives:
     """``V``, ``‖∇V‖²`` and ``ΔV`` at ``θ`` (D,)."""
-    value = fn(theta)
-    g = grad(fn)(theta)
+    _, value, g = _value_and_grad(fn, theta, create_graph=False)
     if exact:
         lap, err = laplacian_exact(fn, theta), torch.zeros(())
     else:
@@ -204,9 +218,10 @@ def probe_memory(dim: int, *, rays: int, points: int, exact: bool, probes: int) 
 
     Each path keeps four float lists over up to ``2·points`` radii (Python
     floats, ~32 bytes each, counted 4× for the report's dict and JSON copies)
-    plus ~2 KB of bookkeeping; the Laplacian needs a ``D × D`` Hessian (a few
-    copies under ``jacrev``) or ``probes × D`` Rademacher vectors and their
-    vmapped Hessian-vector products.
+    plus ~2 KB of bookkeeping; the Laplacian needs the graph of ``∇V`` (its
+    diagonal is taken one coordinate at a time; counted as a ``D × D`` Hessian
+    and a few copies, an over-estimate) or ``probes × D`` Rademacher vectors and
+    their Hessian-vector products.
     """
     per_path = 2 * points * 4 * 32 * 4 + 2048
     laplacian = 8 * (4 * dim * dim if exact else 8 * probes * dim)
