@@ -47,7 +47,8 @@ def relative_tol(text: str) -> float:
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("target", metavar="TARGET", help=_TARGET_HELP)
     p.add_argument("--input-shape", type=input_shape, default=None,
-                   help="shape of one input, e.g. 4,8 (for modules without sample_input)")
+                   help="shape of ONE input without the batch dimension, e.g. 4,8 for inputs (batch, 4, 8); for modules "
+                        "without sample_input(batch, generator) (docs/own-module.md)")
     p.add_argument("--dtype", default="float64", choices=DTYPES, help="arithmetic (default float64)")
     add_size_options(p)
     p.add_argument("--config", action="append", default=None, metavar="KEY=VALUE",
@@ -243,7 +244,7 @@ def register_verbs(verbs) -> None:
     p = command(verbs, "count", help="count the conservation laws of any module numerically (D − dim Lie(W))",
                 example="flowgeom laws count relu2 --d-in 12 --width 18 --d-out 9\n"
                         "flowgeom laws count mha --heads 2 --d-k 4 --positions rope --json\n"
-                        "flowgeom laws count my_block.py:Block --input-shape 4,8",
+                        "flowgeom laws count my_block.py:Block --input-shape 4,8   # one input, without the batch dimension",
                 func=_count)
     _common(p)
     p.add_argument("--tol", type=relative_tol, default=None,
@@ -252,6 +253,7 @@ def register_verbs(verbs) -> None:
                    help=f"deepest Lie bracket level, 0..{MAX_DEPTH} (default 6; 0 = no brackets, an upper bound)")
     p = command(verbs, "discover", help="find a readable basis of the quadratic conservation laws of a module",
                 example="flowgeom laws discover swiglu --d-model 3 --d-hidden 2\n"
+                        "flowgeom laws discover examples/own_block.py:LayerNormMLP --latex\n"
                         "flowgeom laws discover moe --d-model 3 --d-hidden 2 --experts 2 --json",
                 func=_discover)
     _common(p)
