@@ -80,6 +80,23 @@ def test_values_reach_tensorboard_through_the_trainer(tmp_path, tiny_llama, monk
     assert ev[-1].value == pytest.approx(cb.session.history[-1]["eps/attn.vo"], rel=1e-6)
 
 
+def test_values_reach_an_offline_wandb_run_through_the_trainer(tmp_path, tiny_llama, monkeypatch):
+    pytest.importorskip("wandb")
+    from wandb_offline import read_history
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    cb = ConservationCallback(every=1)
+    _train(tiny_llama(), _args(tmp_path, report_to=["wandb"], run_name="fg"), cb)
+    import wandb
+
+    wandb.finish()  # the Trainer leaves its run open until the process exits
+    (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
+    rows = [r for r in read_history(run_dir) if "train/flowgeom/eps/attn.vo" in r]
+    assert [r["train/global_step"] for r in rows] == [2, 4, 6]
+    assert rows[-1]["train/flowgeom/eps/attn.vo"] == pytest.approx(cb.session.history[-1]["eps/attn.vo"], rel=1e-9)
+
+
 def test_adamw_breaks_as_expected(tmp_path, tiny_llama):
     cb = ConservationCallback(every=3)
     _train(tiny_llama(), _args(tmp_path, optim="adamw_torch", learning_rate=1e-3), cb)
@@ -103,7 +120,8 @@ def test_momentum_verdict_cites_marcotte_and_prediction_agrees(tmp_path, tiny_ll
 
 
 def test_resume_keeps_theta0_and_refuses_another_model(tmp_path, tiny_llama):
-    args = _args(tmp_path, max_steps=6, save_strategy="steps", save_steps=3)
+    args = _args(tmp_path, max_steps=6, save_strategy="steps", save_steps=3, optim_args="momentum=0.9",
+                 learning_rate=0.01)
     cb = ConservationCallback(every=1)
     _train(tiny_llama(), args, cb)
     full = cb.session.history[-1]
@@ -113,6 +131,9 @@ def test_resume_keeps_theta0_and_refuses_another_model(tmp_path, tiny_llama):
     _train(tiny_llama(), args, cb2, resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
     assert cb2.session.history[-1]["step"] == 6
     assert cb2.session.history[-1]["eps/attn.vo"] == pytest.approx(full["eps/attn.vo"], rel=1e-4)
+    # the predicted drift continued from its saved state (h, ḣ), not from a new start
+    assert cb2.session.predictor.steps == 6
+    assert cb2.session.history[-1]["pred/attn.vo"] == pytest.approx(full["pred/attn.vo"], rel=1e-4)
     assert cb2.session.history[0]["step"] == 1  # the history before the checkpoint came back too
     # a checkpoint of another model (different shapes) is refused, not silently re-based
     other = tiny_llama(intermediate_size=48)
