@@ -1,7 +1,7 @@
 """The end-of-training figure: ε against step per law family, its controls, and the predicted drift.
 
-Laws are solid lines, controls (‖W‖²_F of the matrices the laws read) dashed
-grey, Kunin et al.'s predicted drift (when there is one) dotted in its law's
+Laws are solid lines, controls (‖W‖²_F of the matrices the laws read) thin
+and dashed, Kunin et al.'s predicted drift (when there is one) dotted in its law's
 colour; log scale, since laws and controls differ by orders of magnitude.
 :func:`drift_series` returns the numbers drawn, so a test checks the data
 behind the figure, not the file's size.
@@ -47,10 +47,11 @@ def plot_drift(history: Sequence[Mapping[str, Any]], path: str | os.PathLike, *,
         pos = [(a, b) for a, b in zip(x, y) if b > 0]  # log axis: ε = 0 at step 0 is not drawn
         line, = ax.plot([a for a, _ in pos], [b for _, b in pos], lw=1.6, label=f"law {fam}")
         colours[fam] = line.get_color()
-    for fam, (x, y) in sorted(series["control"].items()):
+    for j, (fam, (x, y)) in enumerate(sorted(series["control"].items())):
         pos = [(a, b) for a, b in zip(x, y) if b > 0]
-        ax.plot([a for a, _ in pos], [b for _, b in pos], ls="--", lw=1.0, color="0.55", alpha=0.8,
-                label=f"control {fam}")
+        # the colours after the laws' (a control is per matrix, not per law family), thin and dashed
+        ax.plot([a for a, _ in pos], [b for _, b in pos], ls="--", lw=1.0, color=f"C{(len(colours) + j) % 10}",
+                alpha=0.8, label=f"control {fam}")
     for fam, (x, y) in sorted(series["pred"].items()):
         pos = [(a, b) for a, b in zip(x, y) if b > 0]
         ax.plot([a for a, _ in pos], [b for _, b in pos], ls=":", lw=2.0, color=colours.get(fam, "k"),

@@ -126,7 +126,11 @@ def describe_optimizer(optimizer: Any) -> OptimizerInfo:
 
 def info_of_kind(kind: str, *, lr: float | None = None) -> OptimizerInfo:
     """An :class:`OptimizerInfo` from a kind alone (an optimiser the monitor cannot see, or a checkpoint series)."""
-    return OptimizerInfo(kind if kind != "other" else "unknown", kind, lr)
+    names = {"sgd": "SGD", "sgd+wd": "SGD+weight decay", "momentum": "SGD+momentum", "adam": "Adam-type",
+             "other": "unknown optimiser"}
+    if kind not in names:
+        raise FlowgeomError(f"unknown optimiser kind {kind!r}; choose one of: {', '.join(KINDS)}")
+    return OptimizerInfo(names[kind], kind, lr)
 
 
 @dataclass(frozen=True)
