@@ -119,6 +119,7 @@ def test_momentum_verdict_cites_marcotte_and_prediction_agrees(tmp_path, tiny_ll
     assert max(errs.values()) < 0.2, errs  # predicted vs measured drift within 20% of the drift
 
 
+@pytest.mark.filterwarnings("ignore:ConservationCallback could not move")  # on_train_begin called directly below
 def test_resume_keeps_theta0_and_refuses_another_model(tmp_path, tiny_llama):
     args = _args(tmp_path, max_steps=6, save_strategy="steps", save_steps=3, optim_args="momentum=0.9",
                  learning_rate=0.01)
@@ -146,6 +147,7 @@ def test_resume_keeps_theta0_and_refuses_another_model(tmp_path, tiny_llama):
                                                      optimizer=torch.optim.SGD(other.parameters(), lr=0.1))
 
 
+@pytest.mark.filterwarnings("ignore:ConservationCallback could not move")  # hooks called directly, no Trainer
 def test_bad_inputs_are_one_clear_error(tmp_path, tiny_llama):
     with pytest.raises(FlowgeomError, match="every"):
         ConservationCallback(every=0)
@@ -173,4 +175,9 @@ def test_bad_inputs_are_one_clear_error(tmp_path, tiny_llama):
     with pytest.raises(FlowgeomError, match="rebase=True"):
         cb.on_train_begin(args, state, TrainerControl(), model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     ok = ConservationCallback(rebase=True)
-    ok.on_train_begin(args, state, TrainerControl(), model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    from flowgeom.laws.locate import FlowgeomWarning
+
+    with pytest.warns(FlowgeomWarning, match="could not move ahead"):  # not called by a Trainer: said, not silent
+        ok.on_train_begin(args, state, TrainerControl(), model=model,
+                          optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    assert ok.monitor is not None

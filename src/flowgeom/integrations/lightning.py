@@ -58,9 +58,12 @@ class ConservationLightningCallback(Callback):
     def on_fit_start(self, trainer, pl_module) -> None:
         from flowgeom.integrations.writers import CSVWriter, check_writable_dir
 
+        # files are written by the global-zero process only (every process measures the same replicated weights)
+        main = getattr(trainer, "is_global_zero", True)
         out = self.out if self.out is not None else os.path.join(trainer.default_root_dir, "flowgeom")
-        writers = list(self.writers)
-        if self.csv:
+        out = out if main else None
+        writers = list(self.writers) if main else []
+        if self.csv and main:
             check_writable_dir(out, "flowgeom output folder")
             writers.append(CSVWriter(os.path.join(out, "metrics.csv")))
         optimizers = trainer.optimizers
@@ -121,4 +124,5 @@ class ConservationLightningCallback(Callback):
         if self.session is None or self.session.monitor.last is None:
             return
         self.summary = self.session.finish()
-        print(self.summary["line"], file=sys.stderr)
+        if getattr(trainer, "is_global_zero", True):
+            print(self.summary["line"], file=sys.stderr)

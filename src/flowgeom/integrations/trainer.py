@@ -31,9 +31,9 @@ Events (transformers 5.23), and why each is used:
 from __future__ import annotations
 
 import inspect
-import logging
 import os
 import sys
+import warnings
 from typing import Any
 
 from transformers import TrainerCallback
@@ -41,9 +41,8 @@ from transformers.trainer_callback import CallbackHandler
 
 from flowgeom.errors import FlowgeomError
 from flowgeom.integrations.session import STATE_FILE, MonitorSession
+from flowgeom.laws.locate import FlowgeomWarning
 from flowgeom.laws.verdict import HELD_THRESHOLD
-
-log = logging.getLogger("flowgeom")
 
 
 class ConservationCallback(TrainerCallback):
@@ -73,14 +72,21 @@ class ConservationCallback(TrainerCallback):
     def on_init_end(self, args, state, control, **kwargs):
         self._go_first()
 
-    def _go_first(self) -> None:
-        caller = inspect.currentframe().f_back.f_back  # CallbackHandler.call_event -> on_init_end -> here
-        handler = caller.f_locals.get("self") if caller is not None else None
-        if isinstance(handler, CallbackHandler) and self in handler.callbacks:
-            # moving ourselves from index i to 0 while call_event iterates is safe: the entries after i keep
-            # their positions, so none is skipped or called twice
-            handler.callbacks.remove(self)
-            handler.callbacks.insert(0, self)
+    def _go_first(self) -> bool:
+        """Move to the front of the calling CallbackHandler's list; False when no handler is found up the stack."""
+        frame = inspect.currentframe().f_back
+        for _ in range(6):  # call_event -> on_… (perhaps through a subclass's super()) -> here
+            if frame is None:
+                break
+            handler = frame.f_locals.get("self")
+            if isinstance(handler, CallbackHandler) and self in handler.callbacks:
+                # moving ourselves from index i to 0 while call_event iterates is safe: the entries after i
+                # keep their positions, so none is skipped or called twice
+                handler.callbacks.remove(self)
+                handler.callbacks.insert(0, self)
+                return True
+            frame = frame.f_back
+        return False
 
     @property
     def monitor(self):
@@ -89,13 +95,20 @@ class ConservationCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         from flowgeom.integrations.writers import CSVWriter
 
-        self._go_first()  # also when added by trainer.add_callback() after __init__ (no on_init_end then)
+        # also when added by trainer.add_callback() after __init__ (no on_init_end then)
+        if not self._go_first():
+            warnings.warn("ConservationCallback could not move ahead of the Trainer's reporting callbacks: its "
+                          "values reach out/metrics.csv but not TensorBoard/W&B/MLflow; pass it in "
+                          "Trainer(callbacks=[...])", FlowgeomWarning, stacklevel=2)
         if model is None:
             raise FlowgeomError("the Trainer passed no model to the callback; use transformers.Trainer (5.x)")
+        # files are written by the main process only (every process measures the same replicated weights)
+        main = state.is_world_process_zero
         out = self.out if self.out is not None else os.path.join(args.output_dir, "flowgeom")
-        writers = list(self.writers)
+        out = out if main else None
+        writers = list(self.writers) if main else []
         resumed = state.global_step > 0
-        if self.csv:
+        if self.csv and main:
             from flowgeom.integrations.writers import check_writable_dir
 
             check_writable_dir(out, "flowgeom output folder")
@@ -126,12 +139,12 @@ class ConservationCallback(TrainerCallback):
 
     def on_save(self, args, state, control, **kwargs):
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-        if os.path.isdir(folder):
+        if state.is_world_process_zero and os.path.isdir(folder):
             self.session.save(folder)
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.session is None or self.session.monitor.last is None:
             return
         self.summary = self.session.finish()
-        print(self.summary["line"], file=sys.stderr)
-        log.info(self.summary["line"])
+        if state.is_world_process_zero:
+            print(self.summary["line"], file=sys.stderr)
