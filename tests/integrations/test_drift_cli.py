@@ -88,6 +88,26 @@ def test_bare_safetensors_need_a_config(tmp_path, tiny_llama):
     assert out["records"][1]["eps/attn.vo"] == pytest.approx(records[4]["eps/attn.vo"], rel=1e-9)
 
 
+def test_sharded_checkpoints_and_only_law_tensors_read(tmp_path, tiny_llama):
+    model = tiny_llama()
+    folders, records = _sgd_series(tmp_path, model, steps=(0, 2))
+    sharded = tmp_path / "sharded"
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(folders[1]).save_pretrained(sharded, max_shard_size="40KB")
+    assert (sharded / "model.safetensors.index.json").is_file() and len(list(sharded.glob("*.safetensors"))) > 2
+    out = checkpoint_drift([folders[0], sharded])
+    assert out["records"][1]["eps/attn.vo"] == pytest.approx(records[2]["eps/attn.vo"], rel=1e-9)
+    # a later checkpoint's other tensors are checked by shape only, never loaded: NaN embeddings do not matter
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(folders[1] / "model.safetensors"))
+    state["model.embed_tokens.weight"] = torch.full_like(state["model.embed_tokens.weight"], float("nan"))
+    save_file(state, str(folders[1] / "model.safetensors"), metadata={"format": "pt"})
+    again = checkpoint_drift(folders)
+    assert again["records"][1]["eps/attn.vo"] == pytest.approx(records[2]["eps/attn.vo"], rel=1e-9)
+
+
 def test_bad_series_are_one_clear_error_and_exit_2(tmp_path, tiny_llama, capsys):
     folders, _ = _sgd_series(tmp_path, tiny_llama(), steps=(0, 1))
     other = tmp_path / "wider"

@@ -60,6 +60,14 @@ def test_sgd_held_logged_to_tensorboard_and_files(tmp_path, tiny_llama):
     assert (tmp_path / "flowgeom" / "summary.json").is_file()
 
 
+def test_gradient_accumulation_measures_once_per_optimiser_step(tmp_path, tiny_llama):
+    cb = ConservationLightningCallback(every=2)
+    _fit(tmp_path, LitLM(tiny_llama(), lr=0.01, momentum=0.9), cb, steps=6, accumulate_grad_batches=2)
+    assert [h["step"] for h in cb.session.history] == [2, 4, 6]
+    assert cb.session.predictor.steps == 6  # one predictor step per optimiser step, not per batch
+    assert "pred/attn.vo" in cb.session.history[-1]
+
+
 def test_adamw_broken_and_state_dict_resume(tmp_path, tiny_llama):
     cb = ConservationLightningCallback(every=1)
     trainer = _fit(tmp_path, LitLM(tiny_llama(), opt="adam"), cb, steps=3)

@@ -218,11 +218,11 @@ def _print_scaling(result: dict[str, Any]) -> None:
 def drift_cmd(args: argparse.Namespace) -> int:
     from flowgeom.integrations.checkpoints import checkpoint_drift
 
-    apply_threads(args.threads)
+    _threads(args)
     with _progress(not args.json) as say, _quiet_uncovered():
         result = checkpoint_drift(args.checkpoints, config=args.config, optimizer_kind=args.optimizer,
                                   threshold=args.threshold, figure=args.figure, heads=args.heads,
-                                  positions=args.positions, progress=say)
+                                  positions=args.positions, device=args.device, progress=say)
     if result["uncovered"]:
         print("flowgeom: warning: not covered by any law, not measured: "
               + "; ".join(f"{u['block'] or '<model>'} ({u['reason']})" for u in result["uncovered"]), file=sys.stderr)
@@ -344,4 +344,5 @@ def register(sub) -> None:
     p.add_argument("--positions", choices=("none", "sinusoidal", "rope"), default=None,
                    help="attention positions, when the model does not say")
     add_threads(p, help="torch CPU threads, 1..CPUs (default 1)")
+    add_device(p)
     add_json(p)

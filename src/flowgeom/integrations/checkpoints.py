@@ -12,7 +12,9 @@ with the verdicts of :mod:`flowgeom.laws.verdict` and the figure of
 A series must be one model: every checkpoint has the first one's family
 (``model_type``) and exactly its parameter names and shapes, else one error
 names the first checkpoint that differs. Weights are read from safetensors
-(no pickle; ``optimizer.pt`` and ``training_args.bin`` are never opened). The
+(no pickle; ``optimizer.pt`` and ``training_args.bin`` are never opened), one
+tensor at a time; of the later checkpoints only the tensors the laws read are
+loaded (every other shape is checked from the file headers). The
 steps come from ``trainer_state.json`` (``global_step``), else from the
 ``checkpoint-N`` name, else the order given; the series is sorted by step.
 The optimiser, for the expected behaviour, is read from the monitor state a
@@ -134,40 +136,58 @@ def _model_of(config) -> nn.Module:
         return transformers.AutoModelForCausalLM.from_config(config)
 
 
-def _weights(ck: Checkpoint) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint from safetensors (single file, folder, or sharded index)."""
-    from safetensors.torch import load_file
-
+def _files(ck: Checkpoint) -> list[Path]:
+    """The safetensors files of a checkpoint (single file, folder, or the shards of an index)."""
     if ck.path.is_file():
-        files = [ck.path]
-    elif (ck.path / "model.safetensors").is_file():
-        files = [ck.path / "model.safetensors"]
-    else:
-        index = json.loads((ck.path / "model.safetensors.index.json").read_text())
-        files = [ck.path / f for f in sorted(set(index.get("weight_map", {}).values()))]
-    out = {}
-    for f in files:
+        return [ck.path]
+    if (ck.path / "model.safetensors").is_file():
+        return [ck.path / "model.safetensors"]
+    index = ck.path / "model.safetensors.index.json"
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError("no weight_map object")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise FlowgeomError(f"{shown(index)} is not a readable shard index ({exc}); re-save the checkpoint") from exc
+    files = [ck.path / f for f in sorted(set(weight_map.values()))]
+    missing = [f for f in files if not f.is_file()]
+    if missing:
+        raise FlowgeomError(f"{shown(index)} names {shown(missing[0].name)}, which is missing; copy every shard")
+    return files
+
+
+def _read(ck: Checkpoint, names: set[str] | None) -> tuple[dict[str, tuple[int, ...]], dict[str, torch.Tensor]]:
+    """Every tensor's shape (from the headers) and the tensors in ``names`` (all when None), one at a time."""
+    from safetensors import safe_open
+
+    shapes, tensors = {}, {}
+    for f in _files(ck):
         try:
-            out.update(load_file(str(f)))
+            with safe_open(str(f), framework="pt") as fh:
+                for key in fh.keys():
+                    shapes[key] = tuple(fh.get_slice(key).get_shape())
+                    if names is None or key in names:
+                        tensors[key] = fh.get_tensor(key)
         except Exception as exc:  # noqa: BLE001 - truncated / not safetensors
             raise FlowgeomError(f"{shown(f)} is not a readable safetensors file ({type(exc).__name__}: "
                                 f"{' '.join(str(exc).split())[:160]}); re-save the checkpoint") from exc
-    return out
+    return shapes, tensors
 
 
-def _load_into(model: nn.Module, ck: Checkpoint, first: Checkpoint) -> None:
-    """Copy ``ck``'s weights into ``model``; refuse names or shapes that differ from the series' first."""
+def _load_into(model: nn.Module, ck: Checkpoint, first: Checkpoint, names: set[str] | None = None) -> None:
+    """Copy ``ck``'s weights (only ``names``, e.g. those the laws read) into ``model``; refuse names or shapes
+    that differ from the series' first. Shapes come from the file headers, so the rest is never loaded."""
     state = model.state_dict()
-    tensors = _weights(ck)
+    shapes, tensors = _read(ck, names)
     # tied weights (lm_head = embed_tokens) are saved once: only the model's own names must all be present
-    missing = sorted(set(state) - set(tensors) - _tied(model))
-    unexpected = sorted(set(tensors) - set(state))
+    missing = sorted(set(state) - set(shapes) - _tied(model))
+    unexpected = sorted(set(shapes) - set(state))
     if missing or unexpected:
         what = (f"missing {', '.join(missing[:3])}" if missing else "") + ("; " if missing and unexpected else "") + \
                (f"unexpected {', '.join(unexpected[:3])}" if unexpected else "")
         raise FlowgeomError(f"checkpoint {shown(ck.path)} does not hold the parameters of {shown(first.path)} "
                             f"({what}): a series must be one model")
-    bad = [(n, tuple(t.shape), tuple(state[n].shape)) for n, t in tensors.items() if t.shape != state[n].shape]
+    bad = [(n, shape, tuple(state[n].shape)) for n, shape in shapes.items() if shape != tuple(state[n].shape)]
     if bad:
         n, got, want = bad[0]
         raise FlowgeomError(f"checkpoint {shown(ck.path)}: {n} has shape {got}, {shown(first.path)} has {want}: a "
@@ -203,7 +223,7 @@ def _saved_optimizer(ck: Checkpoint) -> str | None:
 def checkpoint_drift(paths: Sequence[str | os.PathLike], *, config: str | os.PathLike | None = None,
                      optimizer_kind: str | None = None, threshold: float = HELD_THRESHOLD,
                      figure: str | os.PathLike | None = None, heads: int | None = None,
-                     positions: str | None = None, progress=lambda msg: None) -> dict[str, Any]:
+                     positions: str | None = None, device: str = "cpu", progress=lambda msg: None) -> dict[str, Any]:
     """ε of every law family at each checkpoint against the first, with verdicts (and the figure)."""
     from flowgeom.laws.monitor import ConservationMonitor
 
@@ -223,13 +243,15 @@ def checkpoint_drift(paths: Sequence[str | os.PathLike], *, config: str | os.Pat
                                 f"{cfg0.model_type!r} one: a series must be one model family")
     model = _model_of(cfg0)
     progress(f"θ_0 {first.path}")
-    _load_into(model, first, first)
+    _load_into(model, first, first)  # all of θ_0: a zero-baseline law's scale may read its whole block
+    model.to(device)
     monitor = ConservationMonitor(model, warn=False, heads=heads, positions=positions)
+    read = set(monitor.param_names)  # later checkpoints: only what the laws read is loaded (the rest: headers)
     records = []
     for i, ck in enumerate(series):
         if i:
             progress(f"{i + 1}/{len(series)} {ck.path}")
-            _load_into(model, ck, first)
+            _load_into(model, ck, first, read)
         rec = monitor.step(ck.step if ck.step is not None else i)
         rec = {"checkpoint": str(ck.path), **rec}
         for v in monitor.verdicts(rec, threshold=threshold):
