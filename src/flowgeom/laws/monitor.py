@@ -404,7 +404,13 @@ class ConservationMonitor:
         return record
 
     def controls_of(self) -> dict[str, list[str]]:
-        """For each ``eps/<family>``, the ``control/<family>`` keys that have a control in one of its blocks."""
+        """For each ``eps/<family>``, the ``control/<family>`` keys that have a control in one of its blocks.
+
+        Block-level, not per matrix: a single ‖W‖² can barely move early in training (its first-order change
+        2⟨W, ΔW⟩ is small while the gradient is nearly orthogonal to a random W; ‖W_Q‖² on the tiny Llama), which
+        made the ratio of the Q/K law swing across the threshold under plain SGD; the block's controls together
+        are steadier.
+        """
         if getattr(self, "_controls_of", None) is None:  # fixed by the items: built once, read at every verdict
             self._controls_of = self._build_controls_of()
         return self._controls_of

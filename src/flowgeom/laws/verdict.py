@@ -2,8 +2,8 @@
 
 A raw ε says little on its own: under AdamW every ε sits at 0.2–0.6, like the
 controls; under SGD the laws sit 100–300× below them. The verdict compares
-each law family with the controls of the same blocks (‖W‖²_F of the matrices
-the laws read, which move at first order in the step):
+each law family with the controls of the same blocks (‖W‖²_F of the block's
+matrices, which move at first order in the step):
 
     ratio = ε_law / ε_control,   "held" if ratio < HELD_THRESHOLD, else "broken".
 
