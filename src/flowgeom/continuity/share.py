@@ -256,6 +256,9 @@ def share_model(source: str, out: Path, config: ShareConfig, *, force: bool = Fa
 def build_report(source, out, config: ShareConfig, cfg, state, compressed: C.Compressed,
                  facts: Mapping[str, Any]) -> dict[str, Any]:
     roles = role_report(compressed, state)
+    for role, ev in facts.get("evidence", {}).items():
+        if role in roles:
+            roles[role]["auto"] = ev
     total = sum(t.numel() for k, t in state.items() if k != "lm_head.weight" or not cfg.tie_word_embeddings)
     p = compressed.plan
     saved = p.dense_params - p.stored_params
