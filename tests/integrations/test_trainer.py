@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 
 import pytest
 import torch
@@ -145,6 +146,14 @@ def test_resume_keeps_theta0_and_refuses_another_model(tmp_path, tiny_llama):
     with pytest.raises(FlowgeomError, match="another model"):
         ConservationCallback(every=1).on_train_begin(args, state, TrainerControl(), model=other,
                                                      optimizer=torch.optim.SGD(other.parameters(), lr=0.1))
+    # a checkpoint moved elsewhere is found through resume_from=
+    moved = tmp_path / "moved" / "checkpoint-3"
+    shutil.copytree(tmp_path / "checkpoint-3", moved)
+    (tmp_path / "checkpoint-3" / "flowgeom_monitor.safetensors").unlink()
+    cb4 = ConservationCallback(every=1, resume_from=moved)
+    _train(tiny_llama(), _args(tmp_path / "other_out", max_steps=6, optim_args="momentum=0.9", learning_rate=0.01),
+           cb4, resume_from_checkpoint=str(moved))
+    assert torch.equal(cb4.monitor.h0, cb2.monitor.h0)
 
 
 @pytest.mark.filterwarnings("ignore:ConservationCallback could not move")  # hooks called directly, no Trainer

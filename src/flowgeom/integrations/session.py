@@ -203,7 +203,8 @@ class MonitorSession:
         path = Path(folder) / STATE_FILE
         if not path.is_file():
             raise FlowgeomError(f"no flowgeom monitor state in {shown(folder)} ({STATE_FILE} is missing): the run "
-                                "was checkpointed without the callback; resume from a checkpoint it saved, or pass "
+                                "was checkpointed without the callback (or resumed from elsewhere: pass "
+                                "resume_from=CHECKPOINT_DIR); resume from a checkpoint it saved, or pass "
                                 "rebase=True to take the resumed weights as a new θ_0")
         state = decode_checkpoint(path.read_bytes(), source=str(path))
         if state.get("fingerprint") != self.monitor.fingerprint():

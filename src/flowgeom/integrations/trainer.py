@@ -51,17 +51,20 @@ class ConservationCallback(TrainerCallback):
     Options: ``every`` (steps between measurements), ``out`` (folder for metrics.csv, summary.json,
     figures/), ``threshold`` (held below ε_law/ε_control = 0.1), ``predict`` (auto/on/off),
     ``optimizer_kind`` (when the monitor cannot see the optimiser), ``rebase`` (accept a resume
-    without saved monitor state by taking a new θ_0), ``csv``/``figure`` (write them), ``writers``
+    without saved monitor state by taking a new θ_0), ``resume_from`` (the checkpoint folder a resume
+    starts from, when it is not ``output_dir/checkpoint-<step>``), ``csv``/``figure`` (write them), ``writers``
     (extra :mod:`flowgeom.integrations.writers`), and monitor options (``heads``, ``positions``,
     ``weight_decay``, ``lr``, ``per_block``, ``include_refuted``) as keywords.
     """
 
     def __init__(self, *, every: int = 1, out: str | os.PathLike | None = None, threshold: float = HELD_THRESHOLD,
                  predict: str = "auto", optimizer_kind: str | None = None, rebase: bool = False, csv: bool = True,
-                 figure: bool = True, writers: tuple = (), **monitor_kwargs: Any):
+                 figure: bool = True, writers: tuple = (), resume_from: str | os.PathLike | None = None,
+                 **monitor_kwargs: Any):
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise FlowgeomError(f"every must be a positive integer, got {every!r}")
         self.every, self.out, self.threshold, self.predict = every, out, threshold, predict
+        self.resume_from = resume_from
         self.optimizer_kind, self.rebase, self.csv, self.figure = optimizer_kind, rebase, csv, figure
         self.writers, self.monitor_kwargs = tuple(writers), monitor_kwargs
         self.session: MonitorSession | None = None
@@ -117,9 +120,14 @@ class ConservationCallback(TrainerCallback):
                                       threshold=self.threshold, predict=self.predict,
                                       optimizer_kind=self.optimizer_kind, figure=self.figure, **self.monitor_kwargs)
         if resumed:
-            folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-            if os.path.isfile(os.path.join(folder, STATE_FILE)) or not self.rebase:
-                self.session.load(folder)
+            # the Trainer does not tell callbacks which folder it resumed from: the one named here, in
+            # TrainingArguments, or output_dir/checkpoint-<global_step> (resume_from_checkpoint=True)
+            candidates = [c for c in (self.resume_from, getattr(args, "resume_from_checkpoint", None)) if
+                          isinstance(c, (str, os.PathLike))]
+            candidates.append(os.path.join(args.output_dir, f"checkpoint-{state.global_step}"))
+            found = [c for c in candidates if os.path.isfile(os.path.join(c, STATE_FILE))]
+            if found or not self.rebase:
+                self.session.load(found[0] if found else candidates[0])
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         self.session.before_step()
