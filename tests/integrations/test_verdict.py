@@ -42,6 +42,10 @@ def test_wrappers_are_seen_through():
         def __init__(self, inner):
             self.optimizer = inner
     assert is_plain_sgd(Holder(Holder(sgd)))
+    lightning = pytest.importorskip("lightning")
+    momentum = torch.optim.SGD(_params(), lr=0.1, momentum=0.9)
+    wrapped_l = lightning.pytorch.core.optimizer.LightningOptimizer(momentum)  # its class is renamed LightningSGD
+    assert describe_optimizer(wrapped_l).kind == "momentum" and describe_optimizer(wrapped_l).name == "SGD"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert warn_plain_gd_only(wrapped) is False  # the false "plain GD only" warning under Trainer(optim="sgd")

@@ -88,17 +88,16 @@ class OptimizerInfo:
 
 
 def unwrap_optimizer(optimizer: Any) -> Any:
-    """The innermost optimiser: follows ``.optimizer`` (accelerate's AcceleratedOptimizer, Lightning's
-    LightningOptimizer, schedulers-free wrappers) until an object has ``param_groups`` of its own."""
+    """The innermost optimiser: follows ``.optimizer`` (accelerate's AcceleratedOptimizer, any holder) and
+    ``._optimizer`` (Lightning's LightningOptimizer, whose class is renamed ``Lightning<SGD>`` and which
+    copies the inner optimiser's attributes, ``param_groups`` included) down to a ``torch.optim.Optimizer``."""
     seen = set()
-    while not hasattr(optimizer, "param_groups") or (type(optimizer).__name__ in ("AcceleratedOptimizer",
-                                                                                  "LightningOptimizer")):
+    while True:  # wrappers subclass torch.optim.Optimizer too (AcceleratedOptimizer): unwrap while there is an inner
         inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
-        if inner is None or id(inner) in seen:
-            break
+        if inner is None or inner is optimizer or id(inner) in seen:
+            return optimizer
         seen.add(id(optimizer))
         optimizer = inner
-    return optimizer
 
 
 def describe_optimizer(optimizer: Any) -> OptimizerInfo:
