@@ -35,3 +35,24 @@ def test_figure_draws_the_history(tmp_path, tiny_llama):
     assert drawn == series and (tmp_path / "again.svg").read_text().count("<path") > 10
     with pytest.raises(FlowgeomError, match="unknown extension"):
         plot_drift(session.history, tmp_path / "fig.txt", title="t")
+
+
+def test_uncovered_blocks_are_said_not_skipped(monkeypatch, tmp_path):
+    """A block no law covers is warned about when the session starts and named in its summary line."""
+    import flowgeom.laws.monitor as monitor_mod
+    from flowgeom.laws.locate import FlowgeomWarning, Located, Uncovered
+    from flowgeom.nn import SwiGLU
+
+    fake = Uncovered("blocks.9.mystery", "model_type 'mystery' is not in the family table")
+    real = monitor_mod.locate_blocks
+    monkeypatch.setattr(monitor_mod, "locate_blocks",
+                        lambda model, **kw: Located(real(model, **kw).entry, real(model, **kw).uncovered + (fake,)))
+    model = SwiGLU(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with pytest.warns(FlowgeomWarning, match="blocks.9.mystery"):
+        session = MonitorSession(model, opt, out=tmp_path)
+    model(torch.randn(8, 4)).pow(2).mean().backward()
+    opt.step()
+    session.measure(1)
+    out = session.finish()
+    assert out["uncovered"] == [fake.as_dict()] and "not measured: blocks.9.mystery" in out["line"]

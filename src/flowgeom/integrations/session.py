@@ -76,8 +76,13 @@ class MonitorSession:
                                 f"optimizer_kind= one of {', '.join(KINDS)}")
         else:
             self.info = describe_optimizer(optimizer)
+        # warn=False: the plain-GD warning is replaced by the verdict's expected behaviour; uncovered blocks are
+        # still said out loud, once here and in the summary line
         self.monitor = ConservationMonitor(model, every=every, warn=False, **monitor_kwargs)
         self.monitor.optimizer_info = self.info
+        if self.monitor.uncovered:
+            warnings.warn(f"not covered by any law, not measured: {self._uncovered_text()}", FlowgeomWarning,
+                          stacklevel=3)
         self.every, self.out, self.threshold, self.figure = every, out, threshold, figure
         self.writers = list(writers)
         self.history: list[dict[str, float]] = []
@@ -226,11 +231,18 @@ class MonitorSession:
 
     # ------------------------------------------------------------------ the end
 
+    def _uncovered_text(self) -> str:
+        u = self.monitor.uncovered_list()
+        return "; ".join(f"{x['block'] or '<model>'} ({x['reason']})" for x in u[:3]) + (" …" if len(u) > 3 else "")
+
     def summary(self) -> dict[str, Any]:
         """Verdicts at the last record, the optimiser's expected behaviour, the prediction's agreement."""
         if self.monitor.last is None:
             raise FlowgeomError("no step was measured: train at least `every` steps before the summary")
         out = self.monitor.summary(record=self.monitor.last, threshold=self.threshold)
+        out["uncovered"] = self.monitor.uncovered_list()
+        if out["uncovered"]:
+            out["line"] += f"; not covered by any law, not measured: {self._uncovered_text()}"
         last = self.monitor.last
         # a drift at the weights' round-off (ε below 100 ulps: float32 weights, ~1e-5) is rounding, which
         # no equation of motion predicts: its pred_err is not a verdict on the prediction
