@@ -124,5 +124,6 @@ class ConservationLightningCallback(Callback):
         if self.session is None or self.session.monitor.last is None:
             return
         self.summary = self.session.finish()
+        self._saved = None  # a later fit of the same callback starts from its own θ_0 unless a checkpoint says otherwise
         if getattr(trainer, "is_global_zero", True):
             print(self.summary["line"], file=sys.stderr)
