@@ -1,4 +1,5 @@
-"""Shared tiny models and datasets for the integration tests (nothing is downloaded)."""
+"""The tiny Llama fixture and an offline environment for the integration tests (nothing is downloaded;
+the dataset is in integrations_data.py)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,6 @@ os.environ.setdefault("WANDB_MODE", "offline")  # never reach the network
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-
-from integrations_data import TokenData  # noqa: E402,F401  (re-exported for the tests)
 
 
 @pytest.fixture
