@@ -53,3 +53,15 @@ def test_heartbeat_thread_prints_during_a_silent_run():
 def test_every_must_be_positive():
     with pytest.raises(ValueError, match="every must be > 0"):
         Ticker(1, print, every=0)
+
+
+def test_eta_expects_a_run_to_cost_what_its_own_claim_cost():
+    clock = Clock()
+    groups = {"a1": "fast", "a2": "fast", "b1": "slow", "b2": "slow"}
+    t = Ticker(4, lambda line: None, every=10, groups=groups, clock=clock)
+    t.done("a1", "fast 1", "finished", 1.0)
+    t.done("b1", "slow 1", "finished", 99.0)
+    assert t.eta() == pytest.approx(1.0 + 99.0)  # not 2 × the overall mean of 50
+    t.start("b2", "slow 2")
+    clock.t += 40
+    assert t.eta() == pytest.approx(1.0 + 59.0)

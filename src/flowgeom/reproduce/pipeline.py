@@ -110,7 +110,8 @@ def reproduce(claims: Sequence[Any], *, out: str | Path, scale: str = "quick", b
 
     # Lines, never silent for more than ~10 s: a run can take minutes (reproduce/progress.py)
     err = Console(stderr=True, highlight=False, soft_wrap=True)
-    ticker = Ticker(len(specs), lambda line: err.print(line, markup=False), jobs=jobs if backend == "local" else 1)
+    ticker = Ticker(len(specs), lambda line: err.print(line, markup=False), jobs=jobs if backend == "local" else 1,
+                    groups={spec.key: spec.claim_id for spec in specs})
 
     def on_start(spec):
         if show_progress:

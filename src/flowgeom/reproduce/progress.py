@@ -15,7 +15,9 @@ Lines, not a redrawn bar, so that the same output reads well in a terminal, a
 ``make demo | tee log`` and a CI log. The ETA is the mean duration of the runs
 finished in this sweep (runs kept from an earlier sweep take no time and are
 not counted) times the runs left, divided by the parallel workers, minus what
-the running ones have already spent; "ETA ?" until one run has finished.
+the running ones have already spent; "ETA ?" until one run has finished. Given
+each run's claim (``groups``), a run is expected to cost what the finished runs
+of its own claim cost (a claim's runs are alike; claims are not), else the mean.
 """
 
 from __future__ import annotations
@@ -45,10 +47,14 @@ class Ticker:
     """
 
     def __init__(self, total: int, emit: Callable[[str], None], *, every: float = 10.0, jobs: int = 1,
-                 clock: Callable[[], float] = time.monotonic):
+                 groups: dict[str, str] | None = None, clock: Callable[[], float] = time.monotonic):
         if every <= 0:
             raise ValueError(f"every must be > 0 seconds, got {every}")
         self.total, self.emit, self.every, self.jobs, self.clock = total, emit, every, max(1, jobs), clock
+        # run key -> group (its claim): runs of one claim cost alike, runs of different claims do not
+        self.groups = dict(groups or {})
+        self.pending = set(self.groups)  # keys not yet ended
+        self.by_group: dict[str, list[float]] = {}
         self.t0 = clock()
         self.last = self.t0  # time of the last line printed
         self.finished = 0  # runs that ended (finished, kept or failed)
@@ -66,9 +72,12 @@ class Ticker:
     def done(self, key: str, label: str, status: str, seconds: float, note: str = "") -> None:
         with self._lock:
             self.running.pop(key, None)
+            self.pending.discard(key)
             self.finished += 1
             if status == "finished":
                 self.durations.append(seconds)
+                if key in self.groups:
+                    self.by_group.setdefault(self.groups[key], []).append(seconds)
             mark = {"finished": "done", "skipped": "kept", "failed": "FAILED"}.get(status, status)
             tail = f" ({note})" if note else ""
             self._line(f"{mark} [{self.finished}/{self.total}] {label} {seconds:.1f}s{tail} · {self._times()}")
@@ -95,9 +104,18 @@ class Ticker:
             return None
         mean = sum(self.durations) / len(self.durations)
         now = self.clock()
-        left = (self.total - self.finished) * mean / self.jobs
-        spent = sum(now - since for _, since in self.running.values()) / self.jobs
-        return max(0.0, left - min(spent, left))
+        if not self.groups:
+            left = (self.total - self.finished) * mean / self.jobs
+            spent = sum(now - since for _, since in self.running.values()) / self.jobs
+            return max(0.0, left - min(spent, left))
+
+        def expected(key: str) -> float:  # the mean of its claim's finished runs, else of all runs
+            seen = self.by_group.get(self.groups.get(key, ""), [])
+            return sum(seen) / len(seen) if seen else mean
+
+        left = sum(expected(k) for k in self.pending if k not in self.running)
+        left += sum(max(0.0, expected(k) - (now - since)) for k, (_, since) in self.running.items())
+        return left / self.jobs
 
     def elapsed(self) -> float:
         return self.clock() - self.t0
