@@ -148,3 +148,13 @@ def test_help_has_an_example(capsys):
         main(["conserve", "drift", "--help"])
     assert exc.value.code == 0
     assert "example:" in capsys.readouterr().out
+
+
+def test_conserve_run_gives_a_verdict_and_the_expected_behaviour(tmp_path, capsys):
+    rc = main(["conserve", "run", "--quick", "--arch", "mha-rope-swiglu", "--steps", "4", "--lr", "0.01", "--seeds",
+               "1", "--regime", "sgd", "--optimizer", "adam", "--out", str(tmp_path), "--json"])
+    payload = json.loads(capsys.readouterr().out)
+    assert rc == 0 and payload["verdict"]["optimizer"]["kind"] == "adam"
+    (run,) = payload["runs"]
+    assert {v["family"] for v in run["verdicts"]} == {k[4:] for k in run if k.startswith("eps/") and "@" not in k}
+    assert all(v["verdict"] == "broken" for v in run["verdicts"]) and "as expected" in payload["verdict"]["line"]
