@@ -429,7 +429,7 @@ def _sharing_claim() -> Claim:
     return Claim("continuity", "continuity.sharing", "001", TEXTS["continuity.sharing"],
                  quick=sharing_grid("quick"), full=sharing_grid("full"), cpu=sharing_grid("cpu"), run=run_sharing,
                  verdict=sharing_verdict,
-                 heavy="13 SmolLM2 compressions and perplexity evaluations, ~11 min on 2 cores")
+                 heavy="12 SmolLM2 compressions and perplexity evaluations (one calibration, cached)")
 
 
 def claims() -> list[Claim]:
