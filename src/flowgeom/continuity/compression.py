@@ -239,18 +239,24 @@ def _continuity_plan(state, shapes, n_layers, ratio, calib, evidence) -> Plan:
             notes.append(f"{role}: {merged} adjacent pair(s) share a {space}-space basis")
         for g in groups:
             candidates.append((role, space, g, _spectrum(mats[g], grams[g], space), _energy(mats[g], grams[g])))
-    costs = [fz.stored_per_rank(*shapes[r], len(g), s) for r, s, g, _, _ in candidates]
-    gains = [sig / max(energy, 1e-300) for _, _, _, sig, energy in candidates]  # relative output error per rank
-    dense = sum(len(g) * shapes[r][0] * shapes[r][1] for r, _, g, _, _ in candidates)
-    # past break-even (k >= g m n / cost) a unit is cheaper dense: the allocation may stop there and keep it dense
-    caps = [len(g) * shapes[r][0] * shapes[r][1] // c for (r, _, g, _, _), c in zip(candidates, costs)]
-    ranks = fz.allocate(costs, gains, (1 - ratio) * dense, min_rank=[1] * len(candidates), max_rank=caps)
+    # Each role keeps its share of the budget; within a role the ranks go where the whitened loss (absolute:
+    # all layers of a role write outputs in the same units) falls most per stored number. Normalising each
+    # unit by its own energy instead let one outlier direction (massive activations) take a whole layer's
+    # budget: measured worse than uniform ranks on SmolLM2.
     units, kept = [], []
-    for (r, s, g, _, _), k, cap in zip(candidates, ranks, caps):
-        if k >= cap:
-            kept += [(r, l, shapes[r]) for l in g]
-        else:
-            units.append(Unit(r, s, tuple(g), k, shapes[r]))
+    for role in shapes:
+        mine = [c for c in candidates if c[0] == role]
+        costs = [fz.stored_per_rank(*shapes[r], len(g), s) for r, s, g, _, _ in mine]
+        dense = sum(len(g) * shapes[r][0] * shapes[r][1] for r, _, g, _, _ in mine)
+        # past break-even (k >= g m n / cost) a unit is cheaper dense: the allocation stops there, kept dense
+        caps = [len(g) * shapes[r][0] * shapes[r][1] // c for (r, _, g, _, _), c in zip(mine, costs)]
+        ranks = fz.allocate(costs, [sig for _, _, _, sig, _ in mine], (1 - ratio) * dense, min_rank=[1] * len(mine),
+                            max_rank=caps)
+        for (r, s, g, _, _), k, cap in zip(mine, ranks, caps):
+            if k >= cap:
+                kept += [(r, l, shapes[r]) for l in g]
+            else:
+                units.append(Unit(r, s, tuple(g), k, shapes[r]))
     if kept:
         notes.append(f"{len(kept)} projection(s) kept dense: the allocation gave them a rank past break-even")
     return Plan("continuity", ratio, tuple(units), tuple(notes), tuple(kept))
