@@ -65,3 +65,14 @@ def test_eta_expects_a_run_to_cost_what_its_own_claim_cost():
     t.start("b2", "slow 2")
     clock.t += 40
     assert t.eta() == pytest.approx(1.0 + 59.0)
+
+
+def test_eta_unknown_while_a_run_is_past_its_estimate():
+    clock = Clock()
+    t = Ticker(3, lambda line: None, every=10, groups={"a": "c", "b": "c", "c": "c"}, clock=clock)
+    t.done("a", "run a", "finished", 10.0)
+    t.start("b", "run b")
+    clock.t += 5
+    assert t.eta() == pytest.approx(5.0 + 10.0)
+    clock.t += 20  # 25 s into a run whose claim's runs took 10 s
+    assert t.eta() is None and t._times().endswith("ETA ?")

@@ -17,7 +17,8 @@ finished in this sweep (runs kept from an earlier sweep take no time and are
 not counted) times the runs left, divided by the parallel workers, minus what
 the running ones have already spent; "ETA ?" until one run has finished. Given
 each run's claim (``groups``), a run is expected to cost what the finished runs
-of its own claim cost (a claim's runs are alike; claims are not), else the mean.
+of its own claim cost (a claim's runs are alike; claims are not), else the mean;
+while a run takes longer than that, the ETA is "?" rather than a wrong "~0s".
 """
 
 from __future__ import annotations
@@ -113,8 +114,11 @@ class Ticker:
             seen = self.by_group.get(self.groups.get(key, ""), [])
             return sum(seen) / len(seen) if seen else mean
 
+        over = [k for k, (_, since) in self.running.items() if now - since > expected(k)]
+        if over:  # a run past what its claim's runs took: any number would be a guess
+            return None
         left = sum(expected(k) for k in self.pending if k not in self.running)
-        left += sum(max(0.0, expected(k) - (now - since)) for k, (_, since) in self.running.items())
+        left += sum(expected(k) - (now - since) for k, (_, since) in self.running.items())
         return left / self.jobs
 
     def elapsed(self) -> float:
