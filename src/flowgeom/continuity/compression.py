@@ -42,7 +42,8 @@ HF_NAMES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_
 ROLES = tuple(HF_NAMES)
 METHODS = ("svd", "whiten", "basis-sharing", "share", "continuity")
 SEED_SPACE = {"q": "input", "k": "input", "gate": "input", "up": "input", "o": "output", "down": "output"}
-BS_SHARED = ("q", "k", "v", "gate", "up")  # Basis Sharing's default: these share, o and down stay per layer
+BS_SHARED = ("q", "k", "v", "gate", "up")
+PAIR_THRESHOLD = 3.0  # a pair is a sharing candidate when its subspace alignment is 3x chance (the analyzer's rule)  # Basis Sharing's default: these share, o and down stay per layer
 
 
 def weight_key(layer: int, role: str) -> str:
@@ -292,11 +293,8 @@ def continuity_evidence(state: Mapping[str, torch.Tensor], roles: Sequence[str],
         else:
             space, guessed = ("input" if r["v1_ratio"] >= r["u1_ratio"] else "output"), True
         key = "subspace_in" if space == "input" else "subspace_out"
-        pairs = {}
-        for p in r["pairs"]:
-            if p["distance"] == 1:
-                chance = p.get(f"{key}_chance", p.get("subspace_chance"))
-                pairs[(p["a"], p["b"])] = p[key] > chance if chance is not None else True
+        chance = r["metrics"][key]["baseline"]  # the alignment of random matrices of this shape
+        pairs = {(p["a"], p["b"]): p[key] > PAIR_THRESHOLD * chance for p in r["pairs"] if p["distance"] == 1}
         out[role] = {"space": space, "verdict": verdict, "guessed": guessed, "v1_ratio": r["v1_ratio"],
                      "u1_ratio": r["u1_ratio"], "pairs": pairs}
     return out

@@ -227,7 +227,8 @@ def allocate(costs: Sequence[int], gains: Sequence[torch.Tensor], budget: float,
     Unit u costs ``costs[u]`` per rank and its i-th rank gains ``gains[u][i]`` (non-increasing: a truncated
     spectrum's ``σ_i^2``, normalised), so taking the best gain-per-number ranks first is optimal up to the one
     rank that does not fit (a fractional knapsack on sorted items). ``min_rank[u]`` ranks are taken first;
-    no unit goes beyond ``max_rank[u]``.
+    no unit goes beyond ``max_rank[u]``, nor takes a rank whose gain is round-off (the budget may then be
+    under-spent: the model is exact at a lower rank).
     """
     ranks = [0] * len(costs) if min_rank is None else list(min_rank)
     spent = sum(r * c for r, c in zip(ranks, costs))
@@ -238,6 +239,7 @@ def allocate(costs: Sequence[int], gains: Sequence[torch.Tensor], budget: float,
     for u, (cost, gain) in enumerate(zip(costs, gains)):
         top = len(gain) if max_rank is None else min(len(gain), max_rank[u])
         g = gain.double().cpu()[ranks[u]:top]
+        g = g[g > 1e-12 * float(gain.max())]  # ranks that remove nothing (round-off) are not worth a number
         items.append(torch.stack([g / cost, torch.full_like(g, u)], 1))
     order = torch.cat(items)
     order = order[torch.argsort(order[:, 0], descending=True, stable=True)]
