@@ -157,22 +157,31 @@ def test_whiten_beats_data_free_svd_on_held_out_perplexity(tiny, tmp_path, capsy
     assert abs(whiten - ref) < abs(svd - ref)  # on the calibration text, whitening keeps the outputs closer
 
 
-def test_continuity_plan_allocates_by_whitened_spectra(tiny):
+def test_continuity_plan_groups_pairs_where_a_shared_basis_loses_less(tiny):
     cfg, state, model, ids = _model_and_ids(tiny)
-    calib = calibrate(model, ids)
-    evidence = {r: {"space": C.SEED_SPACE.get(r, "input"), "pairs": {}} for r in C.ROLES}
-    p = C.plan("continuity", state, n_layers=4, ratio=0.3, calib=calib, continuity=evidence)
-    assert p.stored_params <= 0.7 * p.dense_params + max(m * n for _, _, (m, n) in p.kept or [("", 0, (0, 0))])
-    assert len({u.rank for u in p.units}) > 1  # not one rank for all
-    # planting: a role whose weights are exactly rank 2 gets rank <= 2 where it is factored
     planted = dict(state)
-    for l in range(4):
-        w = state[C.weight_key(l, "up")]
-        U, S, Vh = torch.linalg.svd(w, full_matrices=False)
-        planted[C.weight_key(l, "up")] = (U[:, :2] * S[:2]) @ Vh[:2]
-    p = C.plan("continuity", planted, n_layers=4, ratio=0.3, calib=calibrate(llama_from_state(cfg, planted), ids),
-               continuity=evidence)
-    assert all(u.rank <= 2 for u in p.units if u.role == "up")
+    gen = torch.Generator().manual_seed(0)
+    m, n = state[C.weight_key(0, "up")].shape
+    k = fz.rank_for_ratio(m, n, 2, 0.3, "input")
+    for pair in ([0, 1], [2, 3]):  # up: each pair exactly shares a rank-k input basis
+        basis = torch.linalg.qr(torch.randn(n, k, generator=gen))[0]
+        for l in pair:
+            planted[C.weight_key(l, "up")] = torch.randn(m, k, generator=gen) @ basis.T
+    calib = calibrate(llama_from_state(cfg, planted), ids)
+    everywhere = {(l, l + 1): True for l in range(3)}
+    evidence = {r: {"space": C.SEED_SPACE.get(r, "input"), "pairs": everywhere} for r in C.ROLES}
+    p = C.plan("continuity", planted, n_layers=4, ratio=0.3, calib=calib, continuity=evidence)
+    up = [u for u in p.units if u.role == "up"]
+    assert [u.layers for u in up] == [(0, 1), (2, 3)] and all(u.rank == k for u in up)
+    assert {u.space for u in p.units if u.role == "down"} == {"output"}
+    comp = C.compress(p, planted, calib)
+    for u, f in zip(p.units, comp.factors):
+        if u.role == "up":
+            want = torch.stack([planted[C.weight_key(l, "up")] for l in u.layers])
+            assert torch.allclose(f.dense(), want, atol=1e-4)
+    nowhere = {r: {"space": "input", "pairs": {}} for r in C.ROLES}  # no pair above chance: per layer
+    p = C.plan("continuity", planted, n_layers=4, ratio=0.3, calib=calib, continuity=nowhere)
+    assert all(len(u.layers) == 1 for u in p.units)
 
 
 def test_sweep_writes_the_curve_and_its_figure(tiny, tmp_path, capsys):

@@ -17,10 +17,9 @@ Methods (``ratio`` c = fraction of the in-scope projection parameters saved):
 * ``share`` - whitened sharing in a space chosen per role (``spaces``; the
   seed's: q, k, gate, up input, o, down output, V per layer);
 * ``continuity`` - flowgeom's: per role the space the analyzer measures as
-  continuous; adjacent layers grouped where the whitened loss of one shared
-  basis beats two separate ones at the same cost; one budget for all roles,
-  split by a greedy allocation of ranks on the whitened spectra (the rank
-  that removes the most relative output error per stored number first).
+  continuous; adjacent layers aligned above chance share a basis where the
+  whitened loss of one shared basis beats two separate ones at the same cost;
+  the budget split evenly (ranks reallocated by whitened loss measured worse).
 
 Budgets are met per role by the rank rule (floor: never over); the achieved
 fraction is reported next to the asked one (:attr:`Plan.saved_fraction`).
@@ -73,15 +72,14 @@ class Plan:
     ratio: float  # asked-for fraction saved
     units: tuple[Unit, ...]
     notes: tuple[str, ...] = ()
-    kept: tuple[tuple[str, int, tuple[int, int]], ...] = ()  # (role, layer, shape) left dense: cheaper than factors
 
     @property
     def dense_params(self) -> int:
-        return sum(u.dense_params for u in self.units) + sum(m * n for _, _, (m, n) in self.kept)
+        return sum(u.dense_params for u in self.units)
 
     @property
     def stored_params(self) -> int:
-        return sum(u.stored_params for u in self.units) + sum(m * n for _, _, (m, n) in self.kept)
+        return sum(u.stored_params for u in self.units)
 
     @property
     def saved_fraction(self) -> float:
@@ -98,14 +96,6 @@ class Plan:
             r["ranks"].append(u.rank)
             r["dense"] += u.dense_params
             r["stored"] += u.stored_params
-        for role, layer, (m, n) in self.kept:
-            r = out.setdefault(role, {"spaces": [], "groups": [], "ranks": [], "dense": 0, "stored": 0,
-                                      "shape": [m, n]})
-            r["spaces"].append("dense")
-            r["groups"].append([layer])
-            r["ranks"].append(min(m, n))
-            r["dense"] += m * n
-            r["stored"] += m * n
         for r in out.values():
             r["saved_fraction"] = 1 - r["stored"] / r["dense"]
             r["space"] = r["spaces"][0] if len(set(r["spaces"])) == 1 else "mixed"
@@ -199,37 +189,32 @@ def plan(method: str, state: Mapping[str, torch.Tensor], *, n_layers: int, ratio
     return Plan(method, ratio, tuple(units))
 
 
-def _energy(mats: torch.Tensor, grams: torch.Tensor) -> float:
-    """``sum_l ||W_l X_l||_F^2`` of a group."""
-    w = mats.double()
-    return float(torch.einsum("gmi,gij,gmj->", w, grams.double(), w))
-
-
 def _spectrum(mats: torch.Tensor, grams: torch.Tensor, space: str) -> torch.Tensor:
     """The group's whitened ``σ_i^2`` (all of them, descending) in ``space``: the loss each rank removes."""
     return fz.spectrum(mats, grams, space)[: min(mats.shape[1:])]
 
 
 def _continuity_plan(state, shapes, n_layers, ratio, calib, evidence) -> Plan:
-    notes = []
-    candidates: list[tuple[str, str, list[int], torch.Tensor, float]] = []  # role, space, layers, σ², energy
+    """Per role: the measured space; adjacent pairs aligned above chance share a basis when, at the rank the
+    budget gives each, the shared basis loses less whitened loss than two per-layer bases; every unit takes
+    the rank rule's rank (uniform ratio). Ranks reallocated across layers by whitened loss were measured
+    worse than uniform ranks on SmolLM2 (docs/benchmarks.md), so the budget is split evenly."""
+    notes, units = [], []
     for role, (m, n) in shapes.items():
         ev = evidence.get(role, {})
         space = ev.get("space", "input")
         mats = torch.stack([state[weight_key(l, role)] for l in range(n_layers)])
         grams = calib.role_grams(role, range(n_layers))
+        k_pair = fz.rank_for_ratio(m, n, 2, ratio, space)
+        k_one = fz.rank_for_ratio(m, n, 1, ratio, space)
         groups: list[list[int]] = []
         l = 0
         while l < n_layers:
-            if l + 1 < n_layers and ev.get("pairs", {}).get((l, l + 1), False):
+            if l + 1 < n_layers and k_pair > 0 and ev.get("pairs", {}).get((l, l + 1), False):
                 pair = [l, l + 1]
-                k_pair = fz.rank_for_ratio(m, n, 2, ratio, space)
-                k_one = fz.rank_for_ratio(m, n, 1, ratio, space)
-                shared = _spectrum(mats[pair], grams[pair], space)
-                separate = [_spectrum(mats[[i]], grams[[i]], space) for i in pair]
-                lost_shared = float(shared[k_pair:].sum())
-                lost_separate = sum(float(s[k_one:].sum()) for s in separate)
-                if 0 < k_pair and lost_shared < lost_separate:
+                lost_shared = float(_spectrum(mats[pair], grams[pair], space)[k_pair:].sum())
+                lost_separate = sum(float(_spectrum(mats[[i]], grams[[i]], space)[k_one:].sum()) for i in pair)
+                if lost_shared < lost_separate:
                     groups.append(pair)
                     l += 2
                     continue
@@ -238,29 +223,8 @@ def _continuity_plan(state, shapes, n_layers, ratio, calib, evidence) -> Plan:
         merged = sum(len(g) == 2 for g in groups)
         if merged:
             notes.append(f"{role}: {merged} adjacent pair(s) share a {space}-space basis")
-        for g in groups:
-            candidates.append((role, space, g, _spectrum(mats[g], grams[g], space), _energy(mats[g], grams[g])))
-    # Each role keeps its share of the budget; within a role the ranks go where the whitened loss (absolute:
-    # all layers of a role write outputs in the same units) falls most per stored number. Normalising each
-    # unit by its own energy instead let one outlier direction (massive activations) take a whole layer's
-    # budget: measured worse than uniform ranks on SmolLM2.
-    units, kept = [], []
-    for role in shapes:
-        mine = [c for c in candidates if c[0] == role]
-        costs = [fz.stored_per_rank(*shapes[r], len(g), s) for r, s, g, _, _ in mine]
-        dense = sum(len(g) * shapes[r][0] * shapes[r][1] for r, _, g, _, _ in mine)
-        # past break-even (k >= g m n / cost) a unit is cheaper dense: the allocation stops there, kept dense
-        caps = [len(g) * shapes[r][0] * shapes[r][1] // c for (r, _, g, _, _), c in zip(mine, costs)]
-        ranks = fz.allocate(costs, [sig for _, _, _, sig, _ in mine], (1 - ratio) * dense, min_rank=[1] * len(mine),
-                            max_rank=caps)
-        for (r, s, g, _, _), k, cap in zip(mine, ranks, caps):
-            if k >= cap:
-                kept += [(r, l, shapes[r]) for l in g]
-            else:
-                units.append(Unit(r, s, tuple(g), k, shapes[r]))
-    if kept:
-        notes.append(f"{len(kept)} projection(s) kept dense: the allocation gave them a rank past break-even")
-    return Plan("continuity", ratio, tuple(units), tuple(notes), tuple(kept))
+        units += _fixed_units(role, space, (m, n), groups, ratio)
+    return Plan("continuity", ratio, tuple(units), tuple(notes))
 
 
 def with_rank(plan_: Plan, rank: int) -> Plan:
@@ -271,7 +235,7 @@ def with_rank(plan_: Plan, rank: int) -> Plan:
                                 f"({u.shape[0]}x{u.shape[1]}); pass --rank <= {min(u.shape)} or leave {u.role} "
                                 "out of --roles")
     return Plan(plan_.method, plan_.ratio, tuple(Unit(u.role, u.space, u.layers, rank, u.shape)
-                                                 for u in plan_.units), plan_.notes, plan_.kept)
+                                                 for u in plan_.units), plan_.notes)
 
 
 def continuity_evidence(state: Mapping[str, torch.Tensor], roles: Sequence[str], n_layers: int) -> dict[str, dict]:

@@ -38,7 +38,6 @@ layer of the group, in float64 here; callers cast).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -218,38 +217,3 @@ def layer_groups(n_layers: int, group: int) -> list[list[int]]:
         raise FlowgeomError(f"--group {group} is outside 1..{n_layers}, the number of layers of the model; "
                             "pass a smaller --group")
     return [list(range(s, min(s + group, n_layers))) for s in range(0, n_layers, group)]
-
-
-def allocate(costs: Sequence[int], gains: Sequence[torch.Tensor], budget: float, *,
-             min_rank: Sequence[int] | None = None, max_rank: Sequence[int] | None = None) -> list[int]:
-    """Ranks per unit that maximise the summed gains within ``budget`` numbers (greedy on gain per number).
-
-    Unit u costs ``costs[u]`` per rank and its i-th rank gains ``gains[u][i]`` (non-increasing: a truncated
-    spectrum's ``σ_i^2``, normalised), so taking the best gain-per-number ranks first is optimal up to the one
-    rank that does not fit (a fractional knapsack on sorted items). ``min_rank[u]`` ranks are taken first;
-    no unit goes beyond ``max_rank[u]``, nor takes a rank whose gain is round-off (the budget may then be
-    under-spent: the model is exact at a lower rank).
-    """
-    ranks = [0] * len(costs) if min_rank is None else list(min_rank)
-    spent = sum(r * c for r, c in zip(ranks, costs))
-    if spent > budget:
-        raise FlowgeomError(f"the budget of {budget:,.0f} numbers cannot hold rank 1 per unit "
-                            f"({spent:,} needed); ask for a smaller saving")
-    items = []
-    for u, (cost, gain) in enumerate(zip(costs, gains)):
-        top = len(gain) if max_rank is None else min(len(gain), max_rank[u])
-        g = gain.double().cpu()[ranks[u]:top]
-        g = g[g > 1e-12 * float(gain.max())]  # ranks that remove nothing (round-off) are not worth a number
-        items.append(torch.stack([g / cost, torch.full_like(g, u)], 1))
-    order = torch.cat(items)
-    order = order[torch.argsort(order[:, 0], descending=True, stable=True)]
-    closed = set()  # a unit whose next rank did not fit takes no later (smaller) rank either
-    for u in order[:, 1].long().tolist():  # ranks of a unit arrive in their own order (stable sort)
-        if u in closed:
-            continue
-        if spent + costs[u] > budget:
-            closed.add(u)
-            continue
-        ranks[u] += 1
-        spent += costs[u]
-    return ranks

@@ -209,8 +209,6 @@ def role_report(compressed: C.Compressed, state: Mapping[str, torch.Tensor],
             orig = state[C.weight_key(l, unit.role)].double()
             r.setdefault("rel_error", []).append(float(torch.linalg.matrix_norm(orig - w)
                                                        / torch.linalg.matrix_norm(orig)))
-    for role, _, _ in compressed.plan.kept:
-        out[role].setdefault("rel_error", []).append(0.0)
     for role, r in out.items():
         r["dense_params"], r["stored_params"] = r.pop("dense"), r.pop("stored")
         r["saved_params"] = r["dense_params"] - r["stored_params"]
