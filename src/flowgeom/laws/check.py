@@ -14,7 +14,6 @@ shows O(1e-2..1), so the check demonstrably fails when it should.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -98,18 +97,31 @@ def _jacobian(out: Tensor, inputs: list[Tensor]) -> list[Tensor]:
     """d out / d inputs for a 1-D ``out`` (n,): one (n, *input.shape) block per input.
 
     Plain ``torch.autograd``, not ``torch.func.jacrev``: the first torch.func reverse-mode
-    call imports all of ``torch._dynamo`` (1–4 s per process), and batched cotangents
-    (``is_grads_batched``) import sympy through torch.fx (~0.5 s). ``flowgeom laws list``
-    checks 16 modules in ~0.2 s, so a fresh process takes one backward pass per row; once
-    sympy is loaded anyway (any torch.fx/torch.func user in the process) the batched pass,
-    ~3× faster warm, is used. Both give the same rows (tests/laws/test_check_jacobian.py).
+    call imports all of ``torch._dynamo`` (1–4 s per process). The n rows are one
+    batched backward pass (what ``torch.autograd.grad(..., is_grads_batched=True)``
+    runs), called below its argument checks, which import sympy through torch.fx
+    (~0.5 s) for a shape comparison; if torch moves those internals, one backward
+    pass per row gives the same rows (``_jacobian_rows``, ~4× slower).
     """
     n = out.numel()
-    if "sympy" in sys.modules:
-        eye = torch.eye(n, dtype=out.dtype, device=out.device)  # (n, n) one cotangent per output
-        grads = torch.autograd.grad(out, inputs, eye, is_grads_batched=True, allow_unused=True)
-        return [torch.zeros(n, *t.shape, dtype=t.dtype, device=t.device) if g is None else g
-                for g, t in zip(grads, inputs)]
+    eye = torch.eye(n, dtype=out.dtype, device=out.device)  # (n, n) one cotangent per output
+    try:
+        from torch._vmap_internals import _vmap
+        from torch.autograd.graph import _engine_run_backward
+
+        def vjp(cotangent: Tensor):
+            return _engine_run_backward((out,), (cotangent,), False, False, tuple(inputs), True, accumulate_grad=False)
+
+        grads = _vmap(vjp, 0, 0, allow_none_pass_through=True)(eye)
+    except (ImportError, AttributeError, TypeError):
+        return _jacobian_rows(out, inputs)
+    return [torch.zeros(n, *t.shape, dtype=t.dtype, device=t.device) if g is None else g
+            for g, t in zip(grads, inputs)]
+
+
+def _jacobian_rows(out: Tensor, inputs: list[Tensor]) -> list[Tensor]:
+    """:func:`_jacobian` through the public API only: one backward pass per row of ``out``."""
+    n = out.numel()
     rows = [torch.autograd.grad(out[i], inputs, retain_graph=i < n - 1, allow_unused=True) for i in range(n)]
     return [torch.stack([torch.zeros_like(t) if r[k] is None else r[k] for r in rows]) if n else
             torch.zeros(0, *t.shape, dtype=t.dtype, device=t.device) for k, t in enumerate(inputs)]
