@@ -45,8 +45,6 @@ goes through ``gguf.quants`` (imported only then).
 from __future__ import annotations
 
 import mmap
-import os
-import stat
 import struct
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -55,6 +53,7 @@ from pathlib import Path
 import torch
 
 from flowgeom.errors import FlowgeomError, shown
+from flowgeom.files import open_regular
 
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -330,17 +329,7 @@ class GGUFFile:
 def open_gguf(path: str | Path) -> GGUFFile:
     """:class:`GGUFFile` of the regular file ``path``; a FIFO or device is refused before it is opened."""
     path = Path(path)
-    try:
-        if not stat.S_ISREG(os.stat(path).st_mode):
-            raise FlowgeomError(f"GGUF file {shown(path)} is not a regular file; it was not opened (reading a FIFO "
-                                "or device can block forever): pass the .gguf file itself")
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
-    except (OSError, ValueError) as exc:
-        raise FlowgeomError(f"cannot open GGUF file {shown(path)} ({type(exc).__name__}: {exc}); check the "
-                            "path") from None
-    with os.fdopen(fd, "rb") as fh:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):  # swapped between stat and open
-            raise FlowgeomError(f"GGUF file {shown(path)} changed into a non-regular file while being opened; retry")
+    with open_regular(path, "GGUF file", fix="pass the .gguf file itself") as fh:
         try:
             return GGUFFile(path, fh)
         except ValueError as exc:  # mmap of an empty file (FlowgeomError is a ValueError too)

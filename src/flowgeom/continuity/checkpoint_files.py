@@ -2,11 +2,11 @@
 
 Nothing here reads a tensor; it decides whether a file may be opened at all.
 
-* **Regular files only** (:func:`regular_file`): a FIFO blocks ``open``
-  forever, a character device (``/dev/zero``) never ends, a folder named
-  ``x.safetensors`` is no file; dangling and looping symlinks get their own
-  message. The check runs on ``stat`` *before* any open, and the open itself
-  is non-blocking and re-checked with ``fstat``.
+* **Regular files only** (:func:`flowgeom.files.regular_file`, re-exported
+  here): a FIFO blocks ``open`` forever, a character device (``/dev/zero``)
+  never ends, a folder named ``x.safetensors`` is no file; dangling and
+  looping symlinks get their own message. The check runs on ``stat`` *before*
+  any open, and the open itself is non-blocking and re-checked with ``fstat``.
 * **safetensors header schema** (:func:`read_safetensors_header`). Layout:
   ``n`` (u64 little-endian), ``n`` bytes of UTF-8 JSON, then the data
   section of ``D = size - 8 - n`` bytes. The header must be an object; its
@@ -34,68 +34,23 @@ escaped (:func:`shown`), reader errors flattened (:func:`one_line`).
 
 from __future__ import annotations
 
-import errno
 import json
 import math
 import os
-import stat
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
 from flowgeom.errors import FlowgeomError, shown  # shown: re-exported, used here and by sources
+from flowgeom.files import one_line, open_regular, regular_file  # re-exported: the one regular-file check
 
 MAX_HEADER = 100_000_000  # bytes; the safetensors library refuses longer headers too
 MAX_INDEX = 100_000_000  # bytes of model.safetensors.index.json (real ones are ~100 kB)
 ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I16": 2,
             "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1}
 _ENTRY_KEYS = ("dtype", "shape", "data_offsets")
-_KINDS = {stat.S_IFDIR: "a folder", stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFCHR: "a character device",
-          stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket"}
 
 
-def one_line(exc: BaseException) -> str:
-    """A library exception's text on one line (what a reader said, without its newlines)."""
-    return " ".join(str(exc).split()) or type(exc).__name__
-
-
-def regular_file(path: Path, what: str, *, folder_ok: bool = False) -> os.stat_result:
-    """``stat`` of ``path`` (symlinks followed), refusing anything but a regular file (or a folder if allowed)."""
-    try:
-        info = os.stat(path)
-    except FileNotFoundError:
-        if os.path.islink(path):
-            raise FlowgeomError(f"{what} {shown(path)} is a dangling symlink (it points to "
-                                f"{shown(os.readlink(path))}, which does not exist); fix or remove the link") from None
-        raise FlowgeomError(f"no such file or folder: {shown(path)}; pass a .safetensors/.gguf file, a model folder, "
-                            "or builtin:smollm2 / builtin:minilm") from None
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise FlowgeomError(f"{what} {shown(path)} is a symlink loop (it never reaches a file); "
-                                "fix or remove the link") from None
-        raise FlowgeomError(f"cannot access {what} {shown(path)} ({one_line(exc)}); check the path and its "
-                            "permissions") from None
-    except ValueError as exc:  # embedded NUL byte
-        raise FlowgeomError(f"{what} path {shown(path)} is not a valid path ({one_line(exc)})") from None
-    if stat.S_ISREG(info.st_mode) or (folder_ok and stat.S_ISDIR(info.st_mode)):
-        return info
-    kind = _KINDS.get(stat.S_IFMT(info.st_mode), "not a regular file")
-    raise FlowgeomError(f"{what} {shown(path)} is {kind}, not a regular file; it was not opened (reading a FIFO "
-                        "or device can block forever): pass the checkpoint file itself")
-
-
-def _open_regular(path: Path, what: str):
-    """Binary file object of regular file ``path``; the open never blocks (O_NONBLOCK), ``fstat`` re-checks it."""
-    regular_file(path, what)
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
-    try:
-        fd = os.open(path, flags)
-    except OSError as exc:
-        raise FlowgeomError(f"cannot open {what} {shown(path)} ({one_line(exc)}); check its permissions") from None
-    fh = os.fdopen(fd, "rb")
-    if not stat.S_ISREG(os.fstat(fd).st_mode):  # swapped between stat and open
-        fh.close()
-        raise FlowgeomError(f"{what} {shown(path)} changed into a non-regular file while being opened; retry")
-    return fh
+_open_regular = open_regular  # the name this module's readers (and sources.py) have used
 
 
 class _Duplicate(ValueError):

@@ -4,7 +4,10 @@
   a folder of MNIST IDX files is also accepted through ``load_mnist``.
 - ``load_cifar10(path)`` — the official "CIFAR-10 python version" folder
   (``data_batch_1..5``, ``test_batch``: pickled dicts with ``b"data"``
-  (N 3072) uint8 in channel-major order and ``b"labels"``).
+  (N 3072) uint8 in channel-major order and ``b"labels"``). The batches are
+  read by a restricted unpickler (:class:`_BatchUnpickler`) that builds only
+  plain containers and numpy arrays of numbers, so a forged batch file cannot
+  run code.
 - ``load_image_folder(path)`` — ImageNet-style ``ROOT/[split/]CLASS/*``; each
   file is one image as ``.npy`` or ``.pt`` ((H, W), (H, W, C) or (C, H, W)
   uint8 array), or ``.png/.jpg/.jpeg/.JPEG`` when Pillow is installed.
@@ -14,6 +17,8 @@ Every loader returns images (N C H W) uint8 and labels (N,) int64.
 
 from __future__ import annotations
 
+import codecs
+import io
 import pickle
 from pathlib import Path
 
@@ -22,11 +27,86 @@ import torch
 
 from flowgeom.data.mnist import load_mnist
 from flowgeom.errors import FlowgeomError, choice_error
+from flowgeom.files import read_regular
 
 SPLITS = ("train", "test")
 _CIFAR = {"train": tuple(f"data_batch_{i}" for i in range(1, 6)), "test": ("test_batch",)}
 _ARRAYS = (".npy", ".pt")
 _PICTURES = (".png", ".jpg", ".jpeg")
+_MAX_BATCH = 2**30  # bytes; an official batch is 31 MB
+
+
+class _Forbidden(pickle.UnpicklingError):
+    pass
+
+
+def _numeric_dtype(*args):
+    """``numpy.dtype`` for a pickle, refusing object dtypes (whose items would be arbitrary pickled objects)."""
+    dtype = np.dtype(*args)
+    if dtype.hasobject:
+        raise _Forbidden(f"it asks for a numpy array of Python objects (dtype {dtype})")
+    return dtype
+
+
+def _latin1(text: str, encoding: str = "latin1") -> bytes:
+    """``_codecs.encode`` as protocol-2 pickles use it for ``bytes`` (nothing else is encoded)."""
+    if encoding != "latin1":
+        raise _Forbidden(f"it calls _codecs.encode with encoding {encoding!r}")
+    return codecs.encode(text, "latin1")
+
+
+# The only globals a CIFAR-10 batch needs (Python 2 and 3 pickles, numpy 1 and 2, protocols 2-5).
+_ALLOWED = {("numpy", "ndarray"): np.ndarray, ("numpy", "dtype"): _numeric_dtype, ("_codecs", "encode"): _latin1}
+
+
+def _reconstruct(cls, shape, dtype_code):
+    """numpy's ``_reconstruct``, for ``ndarray`` only (the pickle's own class argument is not trusted)."""
+    if cls is not np.ndarray:
+        raise _Forbidden("it reconstructs an array subclass")
+    return np.ndarray.__new__(np.ndarray, shape, dtype_code)
+
+
+def _frombuffer(buf, dtype, shape, order):
+    """numpy's protocol-5 ``_frombuffer`` for a numeric dtype."""
+    dtype = _numeric_dtype(dtype)
+    return np.frombuffer(buf, dtype=dtype).reshape(shape, order=order).copy()
+
+
+for _module in ("numpy.core.multiarray", "numpy._core.multiarray"):
+    _ALLOWED[(_module, "_reconstruct")] = _reconstruct
+for _module in ("numpy.core.numeric", "numpy._core.numeric"):
+    _ALLOWED[(_module, "_frombuffer")] = _frombuffer
+
+
+class _BatchUnpickler(pickle.Unpickler):
+    """An unpickler that resolves only :data:`_ALLOWED` globals: dicts, lists, str, bytes, numbers, numeric arrays."""
+
+    def find_class(self, module: str, name: str):
+        try:
+            return _ALLOWED[(module, name)]
+        except KeyError:
+            raise _Forbidden(f"it refers to {module}.{name}, which a CIFAR-10 batch never does "
+                             "(a pickle that names other globals can run code)") from None
+
+    def persistent_load(self, pid):
+        raise _Forbidden("it uses persistent ids")
+
+
+def _read_batch(path: Path) -> dict:
+    """One CIFAR-10 python batch, unpickled without running code (else one-line :class:`FlowgeomError`)."""
+    raw = read_regular(path, "CIFAR-10 batch", fix="pass the official CIFAR-10 python batches",
+                       limit=_MAX_BATCH)
+    try:
+        batch = _BatchUnpickler(io.BytesIO(raw), encoding="bytes").load()
+    except _Forbidden as exc:
+        raise FlowgeomError(f"{path} was refused and not unpickled: {exc}; pass the official CIFAR-10 "
+                            "python batches") from None
+    except Exception as exc:  # truncated / not a pickle
+        text = " ".join(str(exc).split())[:200] or type(exc).__name__
+        raise FlowgeomError(f"{path} is not a CIFAR-10 python batch ({text}); re-extract the archive") from None
+    if not isinstance(batch, dict):
+        raise FlowgeomError(f"{path} holds a {type(batch).__name__}, not a dict; it is not a CIFAR-10 python batch")
+    return batch
 
 
 def load_cifar10(path: str | Path, split: str = "train", *, limit: int | None = None
@@ -44,16 +124,16 @@ def load_cifar10(path: str | Path, split: str = "train", *, limit: int | None = 
                             "'cifar-10-batches-py' folder of the python version")
     images, labels = [], []
     for f in files:
-        with open(f, "rb") as fh:
-            try:
-                batch = pickle.load(fh, encoding="bytes")
-            except Exception as exc:  # truncated / not a pickle
-                raise FlowgeomError(f"{f} is not a CIFAR-10 python batch ({exc}); re-extract the archive") from None
+        batch = _read_batch(f)
         data, labs = batch.get(b"data"), batch.get(b"labels")
-        if data is None or labs is None or np.asarray(data).shape[1:] != (3072,):
-            raise FlowgeomError(f"{f} has no (N, 3072) b'data' and b'labels'; it is not a CIFAR-10 python batch")
+        if not isinstance(data, np.ndarray) or data.dtype.kind not in "biuf" or data.ndim != 2 \
+                or data.shape[1] != 3072 or not isinstance(labs, (list, np.ndarray)) or len(labs) != len(data):
+            raise FlowgeomError(f"{f} has no (N, 3072) b'data' with N b'labels'; it is not a CIFAR-10 python batch")
+        labs = np.asarray(labs)
+        if labs.dtype.kind not in "iu" or labs.ndim != 1 or (labs.size and (labs.min() < 0 or labs.max() > 9)):
+            raise FlowgeomError(f"{f} has b'labels' that are not class ids 0..9; it is not a CIFAR-10 python batch")
         images.append(np.asarray(data, dtype=np.uint8).reshape(-1, 3, 32, 32))  # (N, C, H, W)
-        labels.append(np.asarray(labs, dtype=np.int64))
+        labels.append(labs.astype(np.int64))
         if limit is not None and sum(len(x) for x in labels) >= limit:
             break
     x, y = np.concatenate(images), np.concatenate(labels)

@@ -1,0 +1,106 @@
+"""Reading files from other people: regular files only, opened without blocking.
+
+Every file flowgeom reads (checkpoints, ``config.json``, ``adapter_config.json``,
+a run's ``metrics.jsonl``, a sweep's ``manifest.json``, CIFAR batches) comes
+through :func:`open_regular` or :func:`read_regular`:
+
+* :func:`regular_file` ``stat``\\ s the path (symlinks followed) *before* any
+  open and refuses a FIFO (``open`` blocks until a writer appears: forever), a
+  character device (``/dev/zero`` never ends), a block device, a socket or a
+  folder, with one line naming what it is; dangling and looping symlinks get
+  their own message.
+* :func:`open_regular` opens with ``O_NONBLOCK`` (a FIFO swapped in after the
+  ``stat`` cannot block the open) and re-checks the open descriptor with
+  ``fstat``.
+* :func:`read_regular` reads at most ``limit`` bytes and refuses a longer file,
+  so a 100 GB "config" is not read into memory.
+
+This module sits below everything (it imports only :mod:`flowgeom.errors`).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from pathlib import Path
+
+from flowgeom.errors import FlowgeomError, shown
+
+CHECKPOINT_FIX = "pass the checkpoint file itself"
+MAX_JSON = 64 * 2**20  # bytes of a config/adapter/manifest JSON file (real ones are a few kB)
+_KINDS = {stat.S_IFDIR: "a folder", stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFCHR: "a character device",
+          stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket"}
+
+
+def one_line(exc: BaseException) -> str:
+    """A library exception's text on one line (what a reader said, without its newlines)."""
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def regular_file(path: Path, what: str, *, folder_ok: bool = False, fix: str = CHECKPOINT_FIX) -> os.stat_result:
+    """``stat`` of ``path`` (symlinks followed), refusing anything but a regular file (or a folder if allowed).
+
+    ``what`` names the file in messages ("config.json"); ``fix`` ends the
+    message for a non-regular file.
+    """
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        if os.path.islink(path):
+            raise FlowgeomError(f"{what} {shown(path)} is a dangling symlink (it points to "
+                                f"{shown(os.readlink(path))}, which does not exist); fix or remove the link") from None
+        if fix != CHECKPOINT_FIX:
+            raise FlowgeomError(f"{what} {shown(path)} does not exist; {fix}") from None
+        raise FlowgeomError(f"no such file or folder: {shown(path)}; pass a .safetensors/.gguf file, a model folder, "
+                            "or builtin:smollm2 / builtin:minilm") from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise FlowgeomError(f"{what} {shown(path)} is a symlink loop (it never reaches a file); "
+                                "fix or remove the link") from None
+        raise FlowgeomError(f"cannot access {what} {shown(path)} ({one_line(exc)}); check the path and its "
+                            "permissions") from None
+    except ValueError as exc:  # embedded NUL byte
+        raise FlowgeomError(f"{what} path {shown(path)} is not a valid path ({one_line(exc)})") from None
+    if stat.S_ISREG(info.st_mode) or (folder_ok and stat.S_ISDIR(info.st_mode)):
+        return info
+    kind = _KINDS.get(stat.S_IFMT(info.st_mode), "not a regular file")
+    raise FlowgeomError(f"{what} {shown(path)} is {kind}, not a regular file; it was not opened (reading a FIFO "
+                        f"or device can block forever): {fix}")
+
+
+def open_regular(path: Path, what: str, *, fix: str = CHECKPOINT_FIX):
+    """Binary file object of regular file ``path``; the open never blocks (O_NONBLOCK), ``fstat`` re-checks it."""
+    regular_file(path, what, fix=fix)
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        raise FlowgeomError(f"cannot open {what} {shown(path)} ({one_line(exc)}); check its permissions") from None
+    fh = os.fdopen(fd, "rb")
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # swapped between stat and open
+        fh.close()
+        raise FlowgeomError(f"{what} {shown(path)} changed into a non-regular file while being opened; retry")
+    return fh
+
+
+def read_regular(path: str | os.PathLike, what: str, *, fix: str, limit: int = MAX_JSON) -> bytes:
+    """All bytes of regular file ``path``, refusing non-regular files and files over ``limit`` bytes."""
+    path = Path(path)
+    with open_regular(path, what, fix=fix) as fh:
+        try:
+            raw = fh.read(limit + 1)
+        except OSError as exc:
+            raise FlowgeomError(f"cannot read {what} {shown(path)} ({one_line(exc)}); {fix}") from None
+    if len(raw) > limit:
+        raise FlowgeomError(f"{what} {shown(path)} is over {limit} bytes, far larger than such a file can be; {fix}")
+    return raw
+
+
+def read_text(path: str | os.PathLike, what: str, *, fix: str, limit: int = MAX_JSON) -> str:
+    """:func:`read_regular` decoded as UTF-8 (one-line :class:`FlowgeomError` if it is not)."""
+    raw = read_regular(path, what, fix=fix, limit=limit)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise FlowgeomError(f"{what} {shown(path)} is not UTF-8 text ({one_line(exc)}); {fix}") from None
