@@ -1,7 +1,8 @@
 """``flowgeom demo``: the quick tour that ``make demo`` runs.
 
 1. the law catalogue with its float64 check (seconds);
-2. catalogue count vs the numeric engine's count for every zoo row (a line per row);
+2. catalogue count vs the numeric engine's count for every zoo row (a line per row,
+   a heartbeat while one runs);
 3. ``flowgeom reproduce all --quick``: every seed claim as a resumable sweep
    (conservation drift and the fitted τ-slope, the SmolLM2 continuity table and
    heatmap, the residual-MLP ablation table, the Villani verdicts and the Darcy
@@ -30,7 +31,6 @@ def run_demo(args: argparse.Namespace) -> int:
     from flowgeom.cli.laws_engine import count_rows, print_count_table
     from flowgeom.cli.reproduce import exit_code, print_summary
     from flowgeom.reproduce.pipeline import run
-    from flowgeom.reproduce.progress import duration
 
     t0 = time.monotonic()
     out = console()
@@ -38,11 +38,21 @@ def run_demo(args: argparse.Namespace) -> int:
     print_catalogue_table()
     out.rule("2/3  catalogue count vs numeric count D − dim Lie(W)(θ)")
 
-    def row_done(i: int, total: int, row: dict) -> None:
-        out.print(f"count [{i}/{total}] {row['label']}: {row['numeric']} laws, {row['seconds']:.1f}s "
-                  f"· elapsed {duration(time.monotonic() - t0)}", markup=False, highlight=False)
+    from flowgeom.laws.catalogue import VARIANTS
+    from flowgeom.reproduce.progress import Ticker
 
-    print_count_table(count_rows(on_row=row_done))
+    labels = [v.label for v in VARIANTS]
+    ticker = Ticker(len(labels), lambda line: out.print("count " + line, markup=False, highlight=False))
+
+    def row_done(i: int, total: int, row: dict) -> None:  # the same lines as the sweep's, heartbeat included
+        ticker.done(str(i), f"{row['label']}: {row['numeric']} laws", "finished", row["seconds"])
+        if i < total:
+            ticker.start(str(i + 1), labels[i])
+
+    ticker.start("1", labels[0])
+    with ticker:
+        rows = count_rows(on_row=row_done)
+    print_count_table(rows)
     if args.skip_reproduce:
         return 0
     out.rule("3/3  every seed claim: flowgeom reproduce all --quick")
