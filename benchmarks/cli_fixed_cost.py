@@ -14,14 +14,15 @@ construction, warm-ups), not work. Usage::
 the import time of one command goes. Target: each command ≤ 1.3× the baseline
 (the ``target`` column).
 
-What is left above ``import torch``: ``laws count`` (and ``langevin villani``)
-call reverse-mode ``torch.func`` (``grad`` inside ``vmap``/``jvp``), whose first
-call enters ``torch._dynamo.compiled_autograd._disable()`` in functorch's
+What is left above ``import torch``: ``laws count`` calls reverse-mode
+``torch.func`` (``grad`` inside ``vmap``/``jvp``), whose first call enters
+``torch._dynamo.compiled_autograd._disable()`` in functorch's
 ``_autograd_grad`` and so imports all of ``torch._dynamo`` (1–4 s, once per
-process). ``laws list/show`` avoid it (plain ``torch.autograd`` in
-``laws/check.py``); the count engine's forward-over-reverse brackets are vmapped
-``torch.func`` transforms with no plain-autograd equivalent, so avoiding that
-import there needs a rewrite of ``laws/fields.py`` or a patched torch.
+process). ``laws list/show`` and ``langevin villani`` avoid it (plain
+``torch.autograd``); the count engine's forward-over-reverse brackets are
+vmapped ``torch.func`` transforms with no plain-autograd equivalent, so avoiding
+that import there needs a rewrite of ``laws/fields.py`` or a patched torch.
+``continuity analyze`` pays for ``scipy.linalg`` (its LAPACK kernels).
 """
 
 from __future__ import annotations
