@@ -72,10 +72,15 @@ def main() -> None:
     print(f"whole factored folder: {size / 1e6:.1f} MB")
 
     fact = factored_llama(tmp / "factored")
-    dense = llama_from_state(shared.report and fact.config, shared.compressed.dense_state(shared.state))
+    dense = llama_from_state(fact.config, shared.compressed.dense_state(shared.state))
     x = torch.randint(0, fact.config.vocab_size, (1, 512))
     with torch.inference_mode():
         diff = float((fact(x) - dense(x)).abs().max())
+        scale = float(dense(x).abs().max())
+        fact64 = factored_llama(tmp / "factored", dtype=torch.float64)
+        dense64 = llama_from_state(fact.config, shared.compressed.dense_state(shared.state), dtype=torch.float64)
+        diff64 = float((fact64(x[:, :64]) - dense64(x[:, :64])).abs().max())
+        del fact64, dense64
         times = {"factored": [], "dense": []}
         for _ in range(args.repeats):
             for name, model in (("factored", fact), ("dense", dense)):
@@ -84,7 +89,8 @@ def main() -> None:
                 times[name].append(time.perf_counter() - t)
     med = {k: statistics.median(v) for k, v in times.items()}
     p = shared.compressed.plan
-    print(f"logits max |factored - dense reconstruction| = {diff:.2e}")
+    print(f"logits max |factored - dense reconstruction|: float64 {diff64:.2e}, float32 {diff:.2e} (rounding of two "
+          f"matmuls against one, on logits up to {scale:.1f})")
     print(f"forward, 512 tokens, 1 thread, median of {args.repeats} interleaved: factored {med['factored']:.3f} s, "
           f"dense {med['dense']:.3f} s, ratio {med['factored'] / med['dense']:.3f} (projection flop ratio "
           f"{p.stored_params / p.dense_params:.3f}; the lm_head and attention are not compressed)")

@@ -253,7 +253,8 @@ def register_verbs(verbs) -> None:
     """Add ``share`` and ``evaluate`` to the ``continuity`` area's verb sub-parsers."""
     p = command(verbs, "share", help="compress a Llama's projections (calibrated low rank, shared bases) into a "
                                      "factored checkpoint",
-                example="flowgeom continuity share builtin:smollm2 --out runs/c20 --budget 0.2     # continuity\n"
+                example="flowgeom continuity share builtin:smollm2 --out runs/w20 --budget 0.2     # whiten\n"
+                        "flowgeom continuity share builtin:smollm2 --out runs/c20 --method continuity --budget 0.2\n"
                         "flowgeom continuity share builtin:smollm2 --out runs/bs --method basis-sharing --budget 0.2\n"
                         "flowgeom continuity share model.gguf --out runs/w --method whiten --budget 0.2 --sequential\n"
                         "flowgeom continuity share builtin:smollm2 --out runs/sw --sweep 0.1,0.2,0.3",
@@ -261,11 +262,12 @@ def register_verbs(verbs) -> None:
     p.add_argument("source",
                    help="Llama checkpoint: .gguf, builtin:smollm2, or an HF folder (config.json + safetensors)")
     p.add_argument("--out", required=True, help="new folder for the checkpoint (refused inside the source)")
-    p.add_argument("--method", choices=METHODS, default="continuity",
-                   help="svd: data-free per layer (the floor); whiten: SVD-LLM per layer; basis-sharing: Wang et "
+    p.add_argument("--method", choices=METHODS, default="whiten",
+                   help="svd: data-free per layer (the floor); whiten: SVD-LLM per layer (default: the lowest "
+                        "perplexity measured on SmolLM2, docs/continuity-sharing.md); basis-sharing: Wang et "
                         "al. 2025 (q,k,v,gate,up shared in input space over --group layers); share: whitened "
-                        "sharing in --space; continuity: spaces, groups and budget split from the measured "
-                        "continuity (default)")
+                        "sharing in --space; continuity: each role's space and which adjacent layers share, "
+                        "from the measured continuity")
     p.add_argument("--roles", type=comma_list(ROLES, what="role"), default=ROLES,
                    help="roles to compress, comma-separated (default all seven)")
     size = p.add_mutually_exclusive_group()

@@ -36,7 +36,7 @@ Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
 @dataclass(frozen=True)
 class ShareConfig:
-    method: str = "continuity"
+    method: str = "whiten"
     budget: float | None = 0.2  # fraction of the in-scope projection parameters saved
     rank: int | None = None  # instead of a budget: one rank for every unit
     roles: tuple[str, ...] = C.ROLES
