@@ -186,3 +186,35 @@ def test_latex_of_a_law():
     assert to_latex("‖up_proj.weight[0,:]‖² − ‖down_proj.weight[:,0]‖²") == (
         r"\lVert \mathtt{up\_proj.weight}[0,:] \rVert^2 - \lVert \mathtt{down\_proj.weight}[:,0] \rVert^2")
     assert to_latex("Σ router.weight[:,1]") == r"\sum \mathtt{router.weight}[:,1]"
+
+
+class _GatedAttention(nn.Module):
+    """Multi-head attention with an elementwise sigmoid gate on the heads' outputs (gated attention)."""
+
+    def __init__(self, d: int = 3, heads: int = 2, d_k: int = 1, d_v: int = 2):
+        super().__init__()
+        self.heads, self.d_k, self.d_v = heads, d_k, d_v
+        self.q_proj = nn.Linear(d, heads * d_k, bias=False)
+        self.k_proj = nn.Linear(d, heads * d_k, bias=False)
+        self.v_proj = nn.Linear(d, heads * d_v, bias=False)
+        self.g_proj = nn.Linear(d, heads * d_v, bias=False)
+        self.o_proj = nn.Linear(heads * d_v, d, bias=False)
+
+    def forward(self, x):  # (T, d): the engine calls forward on one input, without a batch dimension
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.heads, self.d_k).transpose(0, 1)  # (H, T, d_k)
+        k = self.k_proj(x).view(t, self.heads, self.d_k).transpose(0, 1)
+        v = self.v_proj(x).view(t, self.heads, self.d_v).transpose(0, 1)  # (H, T, d_v)
+        a = (torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ v).transpose(0, 1).reshape(t, -1)  # (T, H·d_v)
+        return self.o_proj(a * torch.sigmoid(self.g_proj(x)))
+
+
+def test_gated_attention_keeps_only_the_per_head_diagonal_vo_laws():
+    # The gate acts on each value channel alone, so of V_iV_iᵀ − O_iᵀO_i only the diagonal survives.
+    torch.manual_seed(0)
+    res = discover(_GatedAttention(), input_shape=(2, 3), seed=0)
+    vo = [law.formula for law in res.laws if law.params == ("v_proj.weight", "o_proj.weight")]
+    assert vo == [f"‖v_proj.weight[{a},:]‖² − ‖o_proj.weight[:,{a}]‖²" for a in range(4)]
+    qk = [law.formula for law in res.laws if law.params == ("q_proj.weight", "k_proj.weight")]
+    assert qk == [f"‖q_proj.weight[{h},:]‖² − ‖k_proj.weight[{h},:]‖²" for h in range(2)]
+    assert len(res.laws) == 6

@@ -321,7 +321,8 @@ def probe_output(model: FieldModel, theta: torch.Tensor, sampler: Sampler, gener
         raise
     except Exception as exc:  # the module rejected the input: say so in one line
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise InputError(f"the module rejected an input of shape {tuple(x.shape)}: {msg}",
+        raise InputError(f"the module rejected an input of shape {tuple(x.shape)} (forward gets one input at a time, "
+                         f"without the batch dimension): {msg}",
                          python_fix="pass an input_shape it accepts (one input, without the batch dimension)",
                          cli_fix="pass an --input-shape it accepts (one input, without the batch dimension)") from None
     if not isinstance(y, torch.Tensor) or not y.is_floating_point():
