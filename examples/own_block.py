@@ -3,7 +3,8 @@
 ``path/to/file.py:NAME`` names either an ``nn.Module`` class (built with no
 arguments) or a zero-argument factory returning one. Inputs come from the
 module's ``sample_input(batch, generator)`` when it has one, else from
-``--input-shape`` (the shape of ONE input, without the batch dimension).
+``--input-shape`` (the shape of ONE input, without the batch dimension); the
+engine calls ``forward`` on one such input at a time.
 
     flowgeom laws count examples/own_block.py:LayerNormMLP
     flowgeom laws count examples/own_block.py:make_mlp --input-shape 6
@@ -24,7 +25,7 @@ class LayerNormMLP(nn.Module):
         self.up_proj = nn.Linear(d_model, d_hidden, bias=False)
         self.down_proj = nn.Linear(d_hidden, d_model, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (batch, d_model) -> (batch, d_model)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., d_model) -> (..., d_model); the engine passes one input
         return self.down_proj(torch.relu(self.up_proj(self.norm(x))))
 
     def sample_input(self, batch: int, generator: torch.Generator) -> torch.Tensor:
