@@ -60,7 +60,7 @@ def test_discover_json_and_text(capsys):
     (["laws", "count", "ffn", "--input-shape", "3"], None),
     (["laws", "count", "swiglu", "--heads", "2"], "--heads does not apply to swiglu"),
     (["laws", "count", "mha", "--device", "tpu"], "unknown --device"),
-    (["laws", "discover", "swiglu", "--max-parameters", "10"], "exceeds --max-parameters"),
+    (["laws", "discover", "swiglu", "--max-parameters", "10"], "pass --max-parameters 144"),
 ])
 def test_bad_input_is_one_line_exit_2(capsys, argv, match):
     code, _, err = _run(capsys, *argv)

@@ -48,7 +48,7 @@ DEFAULT_TOL = {torch.float64: 1e-9, torch.float32: 1e-4}
 
 
 class InputError(FlowgeomError):
-    """A problem with the module's inputs, whose fix depends on where the user is.
+    """A problem whose fix depends on where the user is: an argument in Python, a flag on the CLI.
 
     ``str(exc)`` names the Python fix (``input_shape=(4, 8)``); the CLI re-raises
     :meth:`for_cli`, which names the flag (``--input-shape 4,8``) instead.
@@ -467,10 +467,10 @@ def count(
     need = memory_estimate(d, block, bytes_per=torch.empty(0, dtype=dtype).element_size())
     limit = max_memory if max_memory is not None else int(0.8 * available_memory(device))
     if need > limit:
-        raise FlowgeomError(
-            f"D = {d:,} parameters needs about {need / 2**30:.1f} GiB for the rank computation, "
-            f"more than the {limit / 2**30:.1f} GiB available; count a smaller instance or use --device cuda"
-        )
+        raise InputError(f"D = {d:,} parameters needs about {need / 2**30:.1f} GiB for the rank computation, "
+                         f"more than the {limit / 2**30:.1f} GiB available",
+                         python_fix="count a smaller instance or pass device='cuda'",
+                         cli_fix="count a smaller instance or use --device cuda")
     gen = torch.Generator().manual_seed(seed)
     params = random_point(work, gen) if at == "random" else dict(work.named_parameters())
     theta = model.layout.flatten({k: v.detach() for k, v in params.items()}).to(device=device, dtype=dtype)

@@ -36,7 +36,7 @@ from torch import nn
 from flowgeom.errors import FlowgeomError
 from torch.func import vmap
 
-from flowgeom.laws.count import (DEFAULT_TOL, FieldSource, _expected, frozen_note, io_estimate, prepare,
+from flowgeom.laws.count import (DEFAULT_TOL, FieldSource, InputError, _expected, frozen_note, io_estimate, prepare,
                                  probe_output, random_point, require_finite)
 from flowgeom.laws.fields import FieldModel, ParamLayout, Sampler, draw_inputs, generator
 from flowgeom.memory import available_memory
@@ -452,8 +452,12 @@ def discover(
     model = FieldModel(work)
     d = model.layout.size
     if d > max_parameters:
-        raise FlowgeomError(f"discover solves for (D+1)·laws unknowns with D + 1 law counts; D = {d:,} exceeds "
-                            f"--max-parameters {max_parameters}; use a smaller instance or `flowgeom laws count`")
+        raise InputError(f"discover solves for (D+1)·laws unknowns with D + 1 law counts; D = {d:,} exceeds the "
+                         f"limit of {max_parameters} parameters",
+                         python_fix=f"pass max_parameters={d} (the solve grows as D³), use a smaller instance, or "
+                                    "count() the laws instead",
+                         cli_fix=f"pass --max-parameters {d} (the solve grows as D³), use a smaller instance, or "
+                                 "`flowgeom laws count`")
     gen = torch.Generator().manual_seed(seed)
     tol = DEFAULT_TOL.get(dtype, 1e-6)
     theta0 = model.layout.flatten(random_point(work, gen)).to(device=device, dtype=dtype)
