@@ -21,6 +21,7 @@ This module sits below everything (it imports only :mod:`flowgeom.errors`).
 from __future__ import annotations
 
 import errno
+import json
 import os
 import stat
 from pathlib import Path
@@ -28,6 +29,7 @@ from pathlib import Path
 from flowgeom.errors import FlowgeomError, shown
 
 CHECKPOINT_FIX = "pass the checkpoint file itself"
+_CHUNK = 2**24  # bytes per read
 MAX_JSON = 64 * 2**20  # bytes of a config/adapter/manifest JSON file (real ones are a few kB)
 _KINDS = {stat.S_IFDIR: "a folder", stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFCHR: "a character device",
           stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket"}
@@ -87,14 +89,23 @@ def open_regular(path: Path, what: str, *, fix: str = CHECKPOINT_FIX):
 def read_regular(path: str | os.PathLike, what: str, *, fix: str, limit: int = MAX_JSON) -> bytes:
     """All bytes of regular file ``path``, refusing non-regular files and files over ``limit`` bytes."""
     path = Path(path)
+    too_big = f"{what} {shown(path)} is over {limit} bytes, far larger than such a file can be; {fix}"
     with open_regular(path, what, fix=fix) as fh:
+        if os.fstat(fh.fileno()).st_size > limit:
+            raise FlowgeomError(too_big)
+        chunks, total = [], 0
         try:
-            raw = fh.read(limit + 1)
+            while total <= limit:  # in chunks: read(limit + 1) would allocate the whole limit up front
+                chunk = fh.read(min(_CHUNK, limit + 1 - total))
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                total += len(chunk)
         except OSError as exc:
             raise FlowgeomError(f"cannot read {what} {shown(path)} ({one_line(exc)}); {fix}") from None
-    if len(raw) > limit:
-        raise FlowgeomError(f"{what} {shown(path)} is over {limit} bytes, far larger than such a file can be; {fix}")
-    return raw
+    if total > limit:  # it grew while being read
+        raise FlowgeomError(too_big)
+    return b"".join(chunks)
 
 
 def read_text(path: str | os.PathLike, what: str, *, fix: str, limit: int = MAX_JSON) -> str:
@@ -104,3 +115,18 @@ def read_text(path: str | os.PathLike, what: str, *, fix: str, limit: int = MAX_
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise FlowgeomError(f"{what} {shown(path)} is not UTF-8 text ({one_line(exc)}); {fix}") from None
+
+
+def read_json_object(path: str | os.PathLike, *, fix: str, what: str | None = None,
+                     limit: int = MAX_JSON) -> dict:
+    """The JSON object in regular file ``path``; one-line :class:`FlowgeomError` (ending with ``fix``) otherwise."""
+    path = Path(path)
+    what = what or path.name
+    text = read_text(path, what, fix=fix, limit=limit)
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, int too long, nesting
+        raise FlowgeomError(f"{what} {shown(path)} is not readable JSON ({one_line(exc)[:200]}); {fix}") from None
+    if not isinstance(value, dict):
+        raise FlowgeomError(f"{what} {shown(path)} holds a JSON {type(value).__name__}, not an object; {fix}")
+    return value

@@ -63,9 +63,12 @@ from typing import Any
 import torch
 
 from flowgeom.errors import FlowgeomError
+from flowgeom.files import read_json_object, read_regular  # read_json_object: re-exported
 
 CHECKPOINT_FORMAT = "flowgeom-checkpoint"
 CHECKPOINT_VERSION = "1"
+MAX_CHECKPOINT = 2**36  # bytes of a run's checkpoint.safetensors read back
+MAX_METRICS = 2**30  # bytes of metrics.jsonl read back (a 10^6-step run logs ~200 MB)
 
 
 def plain(obj: Any) -> Any:
@@ -96,18 +99,6 @@ def plain(obj: Any) -> Any:
 def to_json(obj: Any, **kwargs: Any) -> str:
     """Strict JSON text for ``obj``: tensors and numpy values become numbers, NaN/±Inf become ``null``."""
     return json.dumps(plain(obj), allow_nan=False, **kwargs)
-
-
-def read_json_object(path: str | os.PathLike, *, fix: str) -> dict[str, Any]:
-    """The JSON object in ``path``; :class:`FlowgeomError` (ending with ``fix``) when it is anything else."""
-    path = Path(path)
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise FlowgeomError(f"{path} is not readable JSON ({exc}); {fix}") from exc
-    if not isinstance(value, dict):
-        raise FlowgeomError(f"{path} holds a JSON {type(value).__name__}, not an object; {fix}")
-    return value
 
 
 def check_out_file(path: str | os.PathLike, flag: str = "--out") -> None:
@@ -334,9 +325,11 @@ class RunFolder:
     def iter_metrics(self) -> Iterator[dict[str, Any]]:
         """The metrics records; lines that are not a JSON object (a torn last line) are skipped."""
         path = self.path / self.METRICS
-        if not path.exists():
+        if not path.exists() and not path.is_symlink():
             return
-        for line in path.read_text(errors="replace").splitlines():
+        raw = read_regular(path, self.METRICS, limit=MAX_METRICS,
+                           fix=f"the run in {self.path} must be redone: delete that folder and rerun")
+        for line in raw.decode("utf-8", errors="replace").splitlines():
             try:
                 record = json.loads(line)
             except json.JSONDecodeError:
@@ -361,11 +354,8 @@ class RunFolder:
         """
         path = self.path / self.CHECKPOINT
         if path.exists():
-            try:
-                data = path.read_bytes()
-            except OSError as exc:
-                raise FlowgeomError(f"cannot read the checkpoint {path}: {exc.strerror}; delete it and resume "
-                                    "again (the run restarts from its first step)") from exc
+            data = read_regular(path, "checkpoint", limit=MAX_CHECKPOINT, fix="delete it and resume again (the run "
+                                "restarts from its first step)")
             return decode_checkpoint(data, source=f"the checkpoint {path}")
         legacy = self.path / self.LEGACY_CHECKPOINT
         if legacy.exists():

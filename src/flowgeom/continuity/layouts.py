@@ -36,7 +36,6 @@ scales directly (``module.scaling[adapter]``).
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Mapping
@@ -44,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flowgeom.errors import FlowgeomError
+from flowgeom.files import read_json_object
 
 PEFT_PREFIX = "base_model.model."
 Rows = tuple[tuple[int, int], ...]  # row ranges [start, stop) of the (out, in) view, concatenated in order
@@ -159,13 +159,7 @@ def lora_scale(module: str, adapter: str, rank: int, hints: NamingHints) -> floa
 
 
 def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError, UnicodeDecodeError) as exc:
-        raise FlowgeomError(f"{path} is not readable JSON ({exc}); fix or remove it") from exc
-    if not isinstance(data, dict):
-        raise FlowgeomError(f"{path} holds {type(data).__name__}, not a JSON object; fix or remove it")
-    return data
+    return read_json_object(path, fix="fix or remove it")
 
 
 def hints_for(spec, **options) -> NamingHints:
@@ -193,8 +187,8 @@ def hints_for(spec, **options) -> NamingHints:
     elif isinstance(spec, (str, os.PathLike)) and not str(spec).startswith("builtin:"):
         path = Path(spec)
         folder = path if path.is_dir() else path.parent
-        if (folder / "config.json").is_file():
+        if os.path.lexists(folder / "config.json"):  # a FIFO, device or folder is refused, not skipped
             config, where = _read_json(folder / "config.json"), str(folder / "config.json")
-        if (folder / "adapter_config.json").is_file():
+        if os.path.lexists(folder / "adapter_config.json"):
             adapter = _read_json(folder / "adapter_config.json")
     return NamingHints(config=config, config_source=where, adapter_config=adapter, lora_scaling=scaling, **options)

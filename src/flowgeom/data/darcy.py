@@ -36,6 +36,7 @@ import scipy.sparse.linalg
 import torch
 
 from flowgeom.errors import FlowgeomError, choice_error
+from flowgeom.files import regular_file
 
 A_HIGH, A_LOW = 12.0, 3.0
 SHIPPED = {("train", 16): "darcy_train_16.pt", ("test", 16): "darcy_test_16.pt", ("test", 32): "darcy_test_32.pt"}
@@ -80,6 +81,7 @@ def shipped_path(split: str, resolution: int) -> Path:
 def load_shipped(split: str = "train", resolution: int = 16, *, path: str | Path | None = None) -> DarcySet:
     """Read one shipped file (or a file of the same format at ``path``)."""
     path = Path(path) if path is not None else shipped_path(split, resolution)
+    regular_file(path, "Darcy file", fix="pass the .pt file itself")
     try:
         raw = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises many types for corrupt files

@@ -27,7 +27,7 @@ import torch
 
 from flowgeom.data.mnist import load_mnist
 from flowgeom.errors import FlowgeomError, choice_error
-from flowgeom.files import read_regular
+from flowgeom.files import read_regular, regular_file
 
 SPLITS = ("train", "test")
 _CIFAR = {"train": tuple(f"data_batch_{i}" for i in range(1, 6)), "test": ("test_batch",)}
@@ -144,6 +144,7 @@ def load_cifar10(path: str | Path, split: str = "train", *, limit: int | None = 
 
 def _read_one(path: Path) -> np.ndarray:
     suffix = path.suffix.lower()
+    regular_file(path, "image file", fix="pass a folder of regular image files")
     if suffix == ".npy":
         arr = np.load(path)
     elif suffix == ".pt":

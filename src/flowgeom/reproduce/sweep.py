@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from flowgeom.errors import FlowgeomError, choice_error
+from flowgeom.files import read_text, regular_file
 from flowgeom.reproduce.registry import Claim, RunFn, run_id
 from flowgeom.runs import RunFolder, atomic_write_bytes, atomic_write_json
 
@@ -188,9 +189,10 @@ class Manifest:
         if not self.path.exists():
             self.problem = f"the sweep has no {MANIFEST} recording its files"
             return
+        regular_file(self.path, MANIFEST, fix=f"remove {self.path}; the sweep reruns what it cannot verify")
         try:
-            data = json.loads(self.path.read_text())
-        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            data = json.loads(read_text(self.path, MANIFEST, fix="it is rewritten"))
+        except (FlowgeomError, ValueError, RecursionError) as exc:
             self.problem = f"{self.path} is unreadable ({type(exc).__name__})"
             return
         runs = data.get("runs") if isinstance(data, dict) and data.get("format") == self.FORMAT else None
