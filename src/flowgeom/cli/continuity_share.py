@@ -204,6 +204,8 @@ def run_evaluate(args: argparse.Namespace) -> int:
             res = perplexity(model, ids.to(device), config)
         eval_seconds = res.pop("seconds")
         row = {"model": spec, **res, "params": sum(p.numel() for p in model.parameters()),
+               "bytes_on_disk": sum(f.stat().st_size for f in (path.iterdir() if path.is_dir() else [path])
+                                    if f.is_file()),
                "load_seconds": load_seconds, "eval_seconds": eval_seconds, "seconds": time.perf_counter() - t0}
         share = path / "flowgeom_share.json" if path.is_dir() else None
         if share is not None and share.is_file():
@@ -238,12 +240,13 @@ def _print_evaluate(result: dict) -> None:
     cfg = result["config"]
     table = Table(title=f"perplexity on {escape(result['text'])} {escape(result['split'])}: "
                         f"{result['models'][0]['targets']:,} targets, context {cfg['context']}, stride {cfg['stride']}")
-    for col in ("model", "ppl", "× first", "nll", "params saved", "seconds"):
+    for col in ("model", "ppl", "× first", "nll", "params saved", "MB on disk", "seconds"):
         table.add_column(col, justify="left" if col == "model" else "right")
     for row in result["models"]:
         saved = row.get("saved_params")
         table.add_row(escape(row["model"]), f"{row['ppl']:.3f}", f"{row['ppl_ratio']:.3f}", f"{row['nll']:.4f}",
-                      "-" if saved is None else f"{saved:,}", f"{row['seconds']:.1f}")
+                      "-" if saved is None else f"{saved:,}", f"{row['bytes_on_disk'] / 1e6:.0f}",
+                      f"{row['seconds']:.1f}")
     console().print(table)
 
 
