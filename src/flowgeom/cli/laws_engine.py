@@ -178,6 +178,9 @@ def _discover(args: argparse.Namespace) -> int:
     if args.latex:  # one align* environment, a line per law, ready to paste into a paper
         from flowgeom.laws.discover import to_latex
 
+        if not res.laws:
+            print(f"% {target.label}: no polynomial law of degree <= {args.degree} (only constants are conserved)")
+            return 0
         print("\\begin{align*}")
         print(" \\\\\n".join(f"  h_{{{i + 1}}} &= {to_latex(law.formula)}" for i, law in enumerate(res.laws)))
         print("\\end{align*}")
