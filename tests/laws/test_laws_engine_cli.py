@@ -111,3 +111,22 @@ def test_discover_latex_and_groups(capsys):
     assert r"h_{1} &= \lVert \mathtt{up\_proj.weight}[0,:] \rVert^2 - \lVert \mathtt{down\_proj.weight}[:,0] \rVert^2 \\" in out
     code, out, _ = _run(capsys, "laws", "discover", "swiglu", "--d-model", "2", "--d-hidden", "2")
     assert "reads up_proj.weight, down_proj.weight: 2 laws" in out
+
+
+def test_progress_bar_only_on_a_terminal_and_after_a_delay(monkeypatch, capsys):
+    import sys
+
+    from flowgeom.cli.laws_engine import engine_progress
+
+    with engine_progress(True) as update:  # pytest captures stderr: not a terminal, no bar
+        assert update is None
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    with engine_progress(False) as update:  # --json: never a bar
+        assert update is None
+    with engine_progress(True, after=3600) as update:  # a count shorter than `after` never draws one
+        update("rank of Lie(W), depth 0", 5, 10)
+    assert capsys.readouterr().err == ""
+    with engine_progress(True, after=0) as update:  # past the delay: the bar starts and follows the stage
+        update("rank of Lie(W), depth 0", 5, 10)
+        update("rank of Lie(W), depth 1", 8, 10)
+    assert "rank of Lie(W), depth" in capsys.readouterr().err
