@@ -287,3 +287,24 @@ def test_sequences_cut_whole_rows():
     ids = torch.arange(1000)
     assert sequences(ids, 600, 128).shape == (4, 128)
     assert set(GRAM_KEYS) == {"attn", "o", "mlp", "down"}
+
+
+def test_float16_storage_halves_the_projection_bytes_and_loads_as_its_own_reconstruction(tiny, tmp_path, capsys):
+    from flowgeom.continuity.factored import dense_state
+
+    for dtype in ("float32", "float16"):
+        code, _, err = _share(capsys, tiny, tmp_path / dtype, "--method", "basis-sharing", "--budget", "0.3",
+                              "--dtype", dtype)
+        assert code == 0, err
+    f32, dense32 = projection_bytes(tmp_path / "float32")
+    f16, dense16 = projection_bytes(tmp_path / "float16")
+    assert dense32 == dense16 and f16 * 2 == f32
+    cfg, units, tensors = read_factored(tmp_path / "float16")
+    assert tensors[units[0].basis].dtype == torch.float16
+    assert tensors["model.layers.0.input_layernorm.weight"].dtype == torch.float32
+    ids = torch.tensor([[5, 9, 200, 17, 3]])
+    with torch.no_grad():
+        want = llama_from_state(cfg, dense_state(units, tensors))(ids)
+        assert (factored_llama(tmp_path / "float16")(ids) - want).abs().max() < 1e-5
+    code, _, err = _share(capsys, tiny, tmp_path / "x", "--dense", "--dtype", "float16")
+    assert code == 2 and "--dtype applies to factored folders only" in err

@@ -60,7 +60,7 @@ def _share_config(args: argparse.Namespace):
     return ShareConfig(method=args.method, budget=budget if not args.sweep else args.sweep[0], rank=args.rank,
                        roles=args.roles, group=args.group, space=args.space, calib=args.calib,
                        calib_tokens=args.calib_tokens, sequential=args.sequential, refit=args.refit,
-                       dense=args.dense, cache=not args.no_cache)
+                       dense=args.dense, cache=not args.no_cache, dtype=args.dtype)
 
 
 def _stage_progress(enabled: bool):
@@ -297,6 +297,9 @@ def register_verbs(verbs) -> None:
     p.add_argument("--refit", action="store_true",
                    help="re-solve shared coefficients by least squares against each layer's own Gram")
     p.add_argument("--dense", action="store_true", help="write plain Llama weights instead of bases + coefficients")
+    p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32",
+                   help="storage of the factored folder's tensors (norms stay float32); float16 halves the file "
+                        "(default float32)")
     p.add_argument("--no-cache", action="store_true", help="measure the calibration Grams again (not from the cache)")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out folder")
     add_threads(p, default=None)

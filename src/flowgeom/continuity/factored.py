@@ -80,9 +80,10 @@ def coeff_name(layer: int, role: str) -> str:
     return f"model.layers.{layer}.{HF_NAMES[role]}.coeff"
 
 
-def factored_tensors(compressed: Compressed, state: Mapping[str, torch.Tensor], *, tie: bool
-                     ) -> tuple[dict[str, torch.Tensor], dict]:
-    """``(tensors for model.safetensors, the flowgeom_factored.json object)`` of a compression."""
+def factored_tensors(compressed: Compressed, state: Mapping[str, torch.Tensor], *, tie: bool,
+                     dtype: torch.dtype = torch.float32) -> tuple[dict[str, torch.Tensor], dict]:
+    """``(tensors for model.safetensors, the flowgeom_factored.json object)`` of a compression; every tensor
+    stored in ``dtype`` except the norms' weights (float32: a few thousand numbers that scale whole layers)."""
     tensors = {k: v for k, v in state.items() if not (k == "lm_head.weight" and tie)}
     units = []
     for unit, f in zip(compressed.plan.units, compressed.factors):
@@ -95,18 +96,19 @@ def factored_tensors(compressed: Compressed, state: Mapping[str, torch.Tensor], 
             coeffs.append(coeff_name(l, unit.role))
         units.append({"role": unit.role, "space": unit.space, "layers": list(unit.layers), "rank": unit.rank,
                       "shape": list(unit.shape), "basis": name, "coeffs": coeffs})
-    return {k: v.float().contiguous() for k, v in tensors.items()}, {"format": FORMAT, "version": VERSION,
-                                                                      "units": units}
+    stored = {k: (v.float() if k.endswith("norm.weight") else v.to(dtype)).contiguous() for k, v in tensors.items()}
+    return stored, {"format": FORMAT, "version": VERSION, "units": units}
 
 
 def save_factored(folder: Path, config_json: dict, compressed: Compressed, state: Mapping[str, torch.Tensor], *,
-                  tokenizer=None, report: dict | None = None) -> None:
-    """Write the factored folder (module docstring) into ``folder``."""
+                  tokenizer=None, report: dict | None = None, dtype: torch.dtype = torch.float32) -> None:
+    """Write the factored folder (module docstring) into ``folder``, tensors in ``dtype``."""
     from safetensors.torch import save_file
 
     from flowgeom.runs import to_json
 
-    tensors, meta = factored_tensors(compressed, state, tie=bool(config_json.get("tie_word_embeddings")))
+    tensors, meta = factored_tensors(compressed, state, tie=bool(config_json.get("tie_word_embeddings")),
+                                     dtype=dtype)
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
     (folder / JSON_NAME).write_text(json.dumps(meta, indent=2) + "\n")
@@ -293,14 +295,13 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32):
 
 def projection_bytes(folder: str | Path) -> tuple[int, int]:
     """``(bytes of the factor tensors on disk, bytes the same projections take dense in float32)``."""
-    from flowgeom.continuity.sources import open_source
+    from flowgeom.continuity.checkpoint_files import read_safetensors_header
 
-    src = open_source(Path(folder) / "model.safetensors")
+    header = read_safetensors_header(Path(folder) / "model.safetensors")
     meta = json.loads((Path(folder) / JSON_NAME).read_text())
     factored = dense = 0
     for u in meta["units"]:
         for name in [u["basis"], *u["coeffs"]]:
-            shape = src.shapes[name]
-            factored += int(torch.tensor(shape).prod()) * 4
+            factored += header[name].end - header[name].start
         dense += len(u["layers"]) * u["shape"][0] * u["shape"][1] * 4
     return factored, dense

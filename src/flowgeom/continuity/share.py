@@ -31,6 +31,7 @@ from flowgeom.continuity.calibrate import DEFAULT_TOKENS
 from flowgeom.errors import FlowgeomError, choice_error
 
 SPACE_CHOICES = ("auto", "seed", "opposite", "input", "output")
+STORAGE = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
 
@@ -49,6 +50,7 @@ class ShareConfig:
     refit: bool = False
     dense: bool = False
     cache: bool = True
+    dtype: str = "float32"  # storage of a factored folder: float32, float16 or bfloat16
 
     def __post_init__(self):
         if self.method not in C.METHODS:
@@ -74,6 +76,10 @@ class ShareConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise FlowgeomError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        if self.dtype not in STORAGE:
+            raise choice_error("dtype", self.dtype, STORAGE)
+        if self.dense and self.dtype != "float32":
+            raise FlowgeomError("--dense writes float32 Llama weights; --dtype applies to factored folders only")
         if not self.roles or any(r not in C.ROLES for r in self.roles):
             raise FlowgeomError(f"--roles must name roles among {', '.join(C.ROLES)}, got {list(self.roles)}")
 
@@ -244,7 +250,8 @@ def share_model(source: str, out: Path, config: ShareConfig, *, force: bool = Fa
         if config.dense:
             save_llama_folder(tmp, cfg.to_hf(), new_state, tokenizer=tokenizer, report=report)
         else:
-            save_factored(tmp, cfg.to_hf(), compressed, state, tokenizer=tokenizer, report=report)
+            save_factored(tmp, cfg.to_hf(), compressed, state, tokenizer=tokenizer, report=report,
+                          dtype=STORAGE[config.dtype])
 
     write_folder(out, fill, force=force)
     report["seconds"] = time.perf_counter() - t0
@@ -263,7 +270,7 @@ def build_report(source, out, config: ShareConfig, cfg, state, compressed: C.Com
     return {
         "source": str(source), "out": str(out), "method": config.method, "budget": config.budget,
         "rank": config.rank, "group": config.group, "space": config.space, "sequential": config.sequential,
-        "refit": config.refit, "format": "dense" if config.dense else "factored",
+        "refit": config.refit, "format": "dense" if config.dense else "factored", "dtype": config.dtype,
         "scope_params": p.dense_params, "scope_saved_params": saved, "scope_saved_fraction": saved / p.dense_params,
         "roles": roles, "model_params": total, "saved_params": saved, "saved_fraction": saved / total,
         "params_after": total - saved, **{k: v for k, v in facts.items() if k != "notes"},
