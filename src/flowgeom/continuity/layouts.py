@@ -44,6 +44,7 @@ from pathlib import Path
 
 from flowgeom.errors import FlowgeomError
 from flowgeom.files import read_json_object
+from flowgeom.limits import file_int
 
 PEFT_PREFIX = "base_model.model."
 Rows = tuple[tuple[int, int], ...]  # row ranges [start, stop) of the (out, in) view, concatenated in order
@@ -144,13 +145,22 @@ def lora_scale(module: str, adapter: str, rank: int, hints: NamingHints) -> floa
                             "(lora_alpha, r, use_rslora) next to its weights")
     alpha, r = cfg["lora_alpha"], cfg.get("r")
     for pattern, into in (("alpha_pattern", "alpha"), ("rank_pattern", "r")):  # PEFT's per-module overrides
-        for key, value in (cfg.get(pattern) or {}).items():
+        overrides = cfg.get(pattern) or {}
+        if not isinstance(overrides, Mapping):
+            raise FlowgeomError(f"adapter_config.json {pattern} must be an object {{module: value}}, got "
+                                f"{type(overrides).__name__}; fix it")
+        for key, value in overrides.items():
             if module == key or module.endswith("." + key):
                 alpha, r = (value, r) if into == "alpha" else (alpha, value)
     for name, value in (("lora_alpha", alpha), ("r", r)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                   or not math.isfinite(value)):
             raise FlowgeomError(f"adapter_config.json {name} of {module} must be a number, got {value!r}; fix it")
+    if r is not None:
+        file_int(r, "r", where=f"adapter_config.json (module {module})", fix="fix it")
+    if rank < 1:  # s = alpha / r would divide by zero
+        raise FlowgeomError(f"the lora_A/lora_B of {module} have rank {rank}: an empty adapter, nothing to merge; "
+                            "drop --merge-lora or use the adapter's real weights")
     if r is not None and r != rank:
         raise FlowgeomError(f"adapter_config.json says r = {r!r} for {module} but its lora_A/lora_B have rank {rank}: "
                             "the config is not this adapter's (PEFT itself would refuse to load it); use the "

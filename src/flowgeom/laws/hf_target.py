@@ -68,6 +68,7 @@ from flowgeom.errors import FlowgeomError
 from flowgeom.laws.fields import module_sampler
 from flowgeom.laws.precision import keep_dtype
 from flowgeom.laws.target import Target
+from flowgeom.limits import file_int
 
 PARTS = ("attention", "mlp", "moe", "block")
 SEQ_LEN = 4  # tokens per sampled input
@@ -345,16 +346,43 @@ MAX_MODEL_PARAMETERS = 20_000_000  # the whole tiny model is built (160 MB in fl
 
 
 def _check_size(model_type: str, kwargs: dict[str, Any]) -> None:
-    """Build the model on the meta device (no memory) and refuse it above MAX_MODEL_PARAMETERS."""
+    """Build the model on the meta device (no memory) and refuse it above MAX_MODEL_PARAMETERS.
+
+    The layer count is bounded and the size extrapolated from 1 and 2 layers first, so a huge
+    ``num_hidden_layers`` is refused before a model with that many layers is built.
+    """
     import transformers
 
     from flowgeom.hf.tiny import tiny_config
 
+    def parameters(config) -> int:
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager",
+                                                                     experts_implementation="eager")
+        return sum(p.numel() for p in model.parameters())
+
     config = tiny_config(model_type, **kwargs)
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager",
-                                                                 experts_implementation="eager")
-    total = sum(p.numel() for p in model.parameters())
+    layers = getattr(config, "num_hidden_layers", None)
+    if isinstance(layers, int):
+        # A layer count like 200000 would take minutes even on meta: bound it, then extrapolate the size
+        # arithmetically from 1- and 2-layer builds, P(L) = P(1) + (L - 1)(P(2) - P(1)), before building L layers.
+        file_int(layers, "num_hidden_layers", where="--config", fix="lower num_hidden_layers")
+        if layers > 2:
+            small = [tiny_config(model_type, **kwargs) for _ in (1, 2)]
+            try:
+                for n, cfg in enumerate(small, start=1):
+                    cfg.num_hidden_layers = n
+                    if isinstance(getattr(cfg, "layer_types", None), list):
+                        cfg.layer_types = cfg.layer_types[:n]
+                one, two = (parameters(cfg) for cfg in small)
+            except Exception:  # noqa: BLE001 - a family whose layers cannot be cut: the full build decides
+                one = two = 0
+            estimate = one + (layers - 1) * (two - one)
+            if estimate > MAX_MODEL_PARAMETERS:
+                raise FlowgeomError(f"a {model_type} with {kwargs} has about {estimate:,} parameters, more than the "
+                                    f"{MAX_MODEL_PARAMETERS:,} a tiny model for counting may have; lower hidden_size, "
+                                    "num_hidden_layers, vocab_size or the expert count with --config")
+    total = parameters(config)
     if total > MAX_MODEL_PARAMETERS:
         raise FlowgeomError(f"a {model_type} with {kwargs} has {total:,} parameters, more than the "
                             f"{MAX_MODEL_PARAMETERS:,} a tiny model for counting may have; lower hidden_size, "

@@ -43,6 +43,7 @@ from torch import nn
 
 from flowgeom.errors import FlowgeomError
 from flowgeom.files import read_json_object
+from flowgeom.limits import LIMITS, file_float, file_int
 
 
 _REQUIRED_HF = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -67,6 +68,8 @@ class LlamaConfig:
             value = getattr(self, f.name)
             if f.type == "int" and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise FlowgeomError(f"Llama config {f.name} must be a positive integer, got {value!r}")
+            if f.name in LIMITS:  # before any module is built: 2e9 layers would loop, 4e9 tokens allocate
+                file_int(value, f.name, where="Llama config", fix="fix config.json (or the GGUF metadata)")
         if self.num_attention_heads % self.num_key_value_heads:
             raise FlowgeomError(f"Llama config: {self.num_attention_heads} query heads are not a multiple of "
                                 f"{self.num_key_value_heads} key/value heads; fix config.json")
@@ -284,21 +287,30 @@ def gguf_config(meta: dict, tensors) -> LlamaConfig:
     arch = meta.get("general.architecture")
     if arch != "llama":
         raise FlowgeomError(f"GGUF architecture {arch!r} is not supported; only llama (SmolLM2, Llama, Mistral)")
-    try:
-        d, H = int(meta["llama.embedding_length"]), int(meta["llama.attention.head_count"])
-        return LlamaConfig(
-            vocab_size=int(meta.get("llama.vocab_size", len(meta.get("tokenizer.ggml.tokens", ())))),
-            hidden_size=d, intermediate_size=int(meta["llama.feed_forward_length"]),
-            num_hidden_layers=int(meta["llama.block_count"]), num_attention_heads=H,
-            num_key_value_heads=int(meta.get("llama.attention.head_count_kv", H)),
-            head_dim=int(meta.get("llama.rope.dimension_count", d // H)),
-            rms_norm_eps=float(meta["llama.attention.layer_norm_rms_epsilon"]),
-            rope_theta=float(meta.get("llama.rope.freq_base", 10000.0)),
-            max_position_embeddings=int(meta.get("llama.context_length", 2048)),
-            tie_word_embeddings="output.weight" not in tensors,
-        )
-    except KeyError as exc:
-        raise FlowgeomError(f"GGUF metadata lacks {exc}; the file is not a complete llama GGUF") from None
+    fix = "the file is corrupt or forged: re-download or re-convert it"
+
+    def number(key: str, field: str, default: object = None) -> int:
+        if key not in meta and default is None:
+            raise FlowgeomError(f"GGUF metadata lacks {key!r}; the file is not a complete llama GGUF")
+        return file_int(meta.get(key, default), key, where="GGUF metadata", fix=fix, limits=LIMITS[field])
+
+    def real(key: str, default: object = None) -> float:
+        if key not in meta and default is None:
+            raise FlowgeomError(f"GGUF metadata lacks {key!r}; the file is not a complete llama GGUF")
+        return file_float(meta.get(key, default), key, where="GGUF metadata", fix=fix)
+
+    d, H = number("llama.embedding_length", "hidden_size"), number("llama.attention.head_count", "num_attention_heads")
+    return LlamaConfig(
+        vocab_size=number("llama.vocab_size", "vocab_size", len(meta.get("tokenizer.ggml.tokens", ()))),
+        hidden_size=d, intermediate_size=number("llama.feed_forward_length", "intermediate_size"),
+        num_hidden_layers=number("llama.block_count", "num_hidden_layers"), num_attention_heads=H,
+        num_key_value_heads=number("llama.attention.head_count_kv", "num_key_value_heads", H),
+        head_dim=number("llama.rope.dimension_count", "head_dim", max(d // H, 1)),
+        rms_norm_eps=real("llama.attention.layer_norm_rms_epsilon"),
+        rope_theta=real("llama.rope.freq_base", 10000.0),
+        max_position_embeddings=number("llama.context_length", "max_position_embeddings", 2048),
+        tie_word_embeddings="output.weight" not in tensors,
+    )
 
 
 def gguf_state_dict(path: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
