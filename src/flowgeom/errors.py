@@ -8,6 +8,7 @@ stderr and exit code 2.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterable
 
@@ -41,3 +42,26 @@ def require(condition: bool, message: str) -> None:
     """Raise :class:`FlowgeomError` with ``message`` unless ``condition``."""
     if not condition:
         raise FlowgeomError(message)
+
+
+def finite_number(value: object, name: str, *, minimum: float | None = None, positive: bool = False,
+                  fix: str = "pass a finite number") -> float:
+    """``value`` as a finite float (``>= minimum``; ``> 0`` when ``positive``), else one :class:`FlowgeomError`.
+
+    The one check for real hyper-parameters given to the API (``lr``,
+    ``temperature``, ``weight_decay``): strings, bools, complex numbers,
+    ``None``, NaN, ±inf and numbers too large for a float are refused by name.
+    A 0-d real tensor or numpy scalar is accepted.
+    """
+    bound = "> 0" if positive else (f">= {minimum:g}" if minimum is not None else "")
+    want = f"a finite real number{' ' + bound if bound else ''}"
+    if isinstance(value, (str, bytes, bool, complex)) or value is None:
+        raise FlowgeomError(f"{name} must be {want}, got {type(value).__name__} {value!r}; {fix}")
+    try:
+        number = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError, OverflowError, RuntimeError):  # complex, objects, >1 element, int too large
+        shown_value = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+        raise FlowgeomError(f"{name} must be {want}, got {type(value).__name__} {shown_value}; {fix}") from None
+    if not math.isfinite(number) or (positive and number <= 0) or (minimum is not None and number < minimum):
+        raise FlowgeomError(f"{name} is {number!r}; it must be {want} ({fix})")
+    return number

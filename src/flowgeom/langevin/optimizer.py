@@ -61,7 +61,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from flowgeom.errors import FlowgeomError
+from flowgeom.errors import FlowgeomError, finite_number
 from flowgeom.langevin.regularizers import GradTransform
 
 Schedule = float | Callable[[int], float]
@@ -71,13 +71,8 @@ _SCHEDULE_MARK = "schedule"  # a callable schedule in state_dict (code is never 
 
 def _value(schedule: Schedule, step: int, name: str) -> float:
     value = schedule(step) if callable(schedule) else schedule
-    value = float(value)
-    if not math.isfinite(value) or value < 0 or (name == "lr" and value == 0):
-        raise FlowgeomError(
-            f"Langevin {name} at step {step} is {value!r}; it must be a finite number "
-            f"{'> 0' if name == 'lr' else '>= 0'} (fix the value or the schedule)"
-        )
-    return value
+    return finite_number(value, f"Langevin {name} at step {step}", minimum=0.0, positive=name == "lr",
+                         fix="fix the value or the schedule")
 
 
 def check_hyper(lr: Schedule, temperature: Schedule) -> None:
@@ -86,6 +81,9 @@ def check_hyper(lr: Schedule, temperature: Schedule) -> None:
         _value(lr, 0, "lr")
     if not callable(temperature):
         _value(temperature, 0, "temperature")
+    if not (callable(lr) or callable(temperature)) and not math.isfinite(float(lr) * float(temperature)):
+        raise FlowgeomError(f"Langevin lr={float(lr):g} times temperature={float(temperature):g} overflows "
+                            "(the noise scale sqrt(lr·temperature) is infinite); lower lr or temperature")
 
 
 # -- the step kernel (shared by the functional core and the torch.optim wrapper) ---------------
@@ -95,6 +93,22 @@ def _noise(params: list[torch.Tensor], generator: torch.Generator) -> list[torch
                        dtype=params[0].dtype)  # (sum numel,)
     pieces = flat.to(params[0].device).split([p.numel() for p in params])
     return [piece.view_as(p) for piece, p in zip(pieces, params)]
+
+
+def _check_representable(params: list[torch.Tensor], lr: float, sigma: float) -> None:
+    """Refuse, before any parameter changes, a step whose ``η`` or ``√(η s)`` its parameters' dtype cannot hold.
+
+    torch would raise a bare ``RuntimeError`` (or write ±inf) for ``lr = 1e200`` on float32 parameters; integer
+    parameters have no Gaussian noise at all.
+    """
+    for dtype in {p.dtype for p in params}:
+        if not (dtype.is_floating_point or dtype.is_complex):
+            raise FlowgeomError(f"Langevin got {str(dtype).replace('torch.', '')} parameters; it samples real "
+                                "(floating-point) parameters only: convert them with .float() or leave them out")
+        top = torch.finfo(dtype).max
+        if lr > top or sigma > top:
+            raise FlowgeomError(f"Langevin lr={lr:g} with noise scale sqrt(lr·temperature)={sigma:g} overflows "
+                                f"{str(dtype).replace('torch.', '')} parameters (max {top:g}); lower lr or temperature")
 
 
 @torch.no_grad()
@@ -108,6 +122,7 @@ def langevin_step(params: list[torch.Tensor], grads: list[torch.Tensor], *, lr: 
     run the same kernels in the same order, so they agree bit for bit.
     """
     sigma = math.sqrt(lr * temperature)
+    _check_representable(params, lr, sigma)
     out: list[torch.Tensor | None] = [None] * len(params)
     buckets: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, p in enumerate(params):
@@ -308,10 +323,32 @@ class Langevin(torch.optim.Optimizer):
             groups.append(saved)
         if "param_groups" in state_dict:
             state_dict["param_groups"] = groups + list(state_dict["param_groups"][len(groups):])
+        if extra is not None:  # validated before anything is loaded
+            self._check_extra(extra)
         super().load_state_dict(state_dict)
         if extra is not None:
             self.step_count = int(extra["step_count"])
             self.generator.set_state(extra["generator"])
+
+    def _check_extra(self, extra: object) -> None:
+        """The ``"langevin"`` entry of a state dict: ``{"step_count": int >= 0, "generator": uint8 state}``."""
+        fix = "load a state_dict saved by Langevin.state_dict() for this device"
+        if not isinstance(extra, Mapping) or "step_count" not in extra or "generator" not in extra:
+            raise FlowgeomError(f"Langevin state_dict['langevin'] must be a dict with step_count and generator, got "
+                                f"{type(extra).__name__}; {fix}")
+        count = extra["step_count"]
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise FlowgeomError(f"Langevin state_dict step_count must be a whole number >= 0, got {count!r}; {fix}")
+        gen, want = extra["generator"], self.generator.get_state()
+        if not isinstance(gen, torch.Tensor) or gen.dtype != torch.uint8 or gen.shape != want.shape:
+            got = f"{gen.dtype} {list(gen.shape)}" if isinstance(gen, torch.Tensor) else type(gen).__name__
+            raise FlowgeomError(f"Langevin state_dict generator state must be a uint8 tensor of shape "
+                                f"{list(want.shape)} (a {self.generator.device} generator), got {got}; {fix}")
+        try:  # torch checks the state's content (e.g. an all-zero Mersenne Twister state) on a scratch generator
+            torch.Generator(device=self.generator.device).set_state(gen)
+        except RuntimeError as exc:
+            raise FlowgeomError(f"Langevin state_dict generator state is invalid ({' '.join(str(exc).split())}); "
+                                f"{fix}") from None
 
     def functional_state(self) -> LangevinState:
         """This optimiser's :class:`LangevinState` (step count and a copy of the generator state)."""

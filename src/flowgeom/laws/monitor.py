@@ -94,7 +94,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from flowgeom.errors import FlowgeomError
+from flowgeom.errors import FlowgeomError, finite_number
 from flowgeom.laws.batched import BatchedLaws
 from flowgeom.laws.catalogue import CatalogueEntry, Law
 from flowgeom.laws.locate import FlowgeomWarning, Uncovered, locate_blocks
@@ -199,8 +199,10 @@ class ConservationMonitor:
                  rescale: str = "flow"):
         if not isinstance(every, int) or every < 1:
             raise FlowgeomError(f"every must be a positive integer, got {every!r}")
-        if weight_decay < 0:
-            raise FlowgeomError(f"weight_decay must be ≥ 0, got {weight_decay}")
+        weight_decay = finite_number(weight_decay, "ConservationMonitor weight_decay", minimum=0.0,
+                                     fix="pass the optimiser's weight decay λ >= 0, or 0")
+        if lr is not None:
+            lr = finite_number(lr, "ConservationMonitor lr", positive=True, fix="pass the step size τ > 0, or None")
         if rescale not in ("flow", "sgd"):
             raise FlowgeomError(f"unknown rescale {rescale!r}; choose flow (e^(dλt)) or sgd ((1−τλ)^(−dk))")
         if rescale == "sgd" and weight_decay and not (lr and 0 < lr * weight_decay < 1):
@@ -234,6 +236,16 @@ class ConservationMonitor:
         if meta:
             raise FlowgeomError(f"{meta[0]} (and {len(meta) - 1} more) is on the meta device (no values); materialise "
                                 "the model (load its weights) before building the monitor")
+        odd = [(n, p.dtype) for n, p in zip(self._names, self._params) if not p.dtype.is_floating_point]
+        if odd:  # complex h has no real ε; integer weights do not flow
+            raise FlowgeomError(f"{odd[0][0]} (and {len(odd) - 1} more) has dtype {str(odd[0][1]).replace('torch.', '')}"
+                                "; the conservation laws are defined for real floating-point weights: convert the "
+                                "model with .float() (or .double()) before building the monitor")
+        if warn and not any(p.requires_grad for p in self._params):
+            warnings.warn(f"no parameter the laws read requires grad ({len(self._params)} frozen, e.g. "
+                          f"{self._names[0]}): training cannot move them, so every ε will be 0 and say nothing "
+                          "about the laws; unfreeze them (requires_grad_(True)) or monitor the trained part",
+                          FlowgeomWarning, stacklevel=2)
         self.low_precision = sorted({str(p.dtype).replace("torch.", "") for p in self._params
                                      if p.dtype in (torch.float16, torch.bfloat16)})
         if self.low_precision and warn:  # the laws are exact for the flow; half-precision weights are not
