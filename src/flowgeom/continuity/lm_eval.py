@@ -69,6 +69,15 @@ def windows(n_tokens: int, context: int, stride: int) -> list[tuple[int, int, in
     return out
 
 
+def _vocab_rows(model: torch.nn.Module) -> int | None:
+    """Rows of the model's token embedding (``config.vocab_size``, else the first ``nn.Embedding``), if known."""
+    size = getattr(getattr(model, "config", None), "vocab_size", None)
+    if isinstance(size, int) and not isinstance(size, bool):
+        return size
+    embedding = next((m for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
+    return None if embedding is None else embedding.num_embeddings
+
+
 @torch.inference_mode()
 def perplexity(model: torch.nn.Module, ids: torch.Tensor, config: EvalConfig = EvalConfig(), *,
                progress: Callable[[int, int], None] | None = None) -> dict:
@@ -76,6 +85,11 @@ def perplexity(model: torch.nn.Module, ids: torch.Tensor, config: EvalConfig = E
     ids = ids.long()
     if config.max_tokens is not None:
         ids = ids[: config.max_tokens]
+    rows = _vocab_rows(model)
+    if rows is not None and len(ids) and not (0 <= int(ids.min()) and int(ids.max()) < rows):
+        raise FlowgeomError(f"token ids run from {int(ids.min())} to {int(ids.max())} but the model has {rows} token "
+                            f"embeddings (ids 0..{rows - 1}): the ids are not from this model's tokenizer, or the "
+                            "token cache is damaged (delete ~/.cache/flowgeom/tokens or $FLOWGEOM_CACHE/tokens)")
     spans = windows(len(ids), config.context, config.stride or config.context)
     t0, total, count = time.perf_counter(), 0.0, 0
     for start in range(0, len(spans), config.batch):
@@ -94,6 +108,10 @@ def perplexity(model: torch.nn.Module, ids: torch.Tensor, config: EvalConfig = E
         if progress:
             progress(min(start + config.batch, len(spans)), len(spans))
     nll = total / count
-    return {"ppl": math.exp(nll), "nll": nll, "targets": count, "windows": len(spans), "tokens": len(ids),
+    if math.isnan(nll):
+        raise FlowgeomError("the model's logits are NaN, so no perplexity exists; its weights hold NaN or overflow: "
+                            "check the checkpoint")
+    ppl = math.exp(nll) if nll < 709.0 else math.inf  # exp overflows a float beyond ~709.78: report inf, not crash
+    return {"ppl": ppl, "nll": nll, "targets": count, "windows": len(spans), "tokens": len(ids),
             "context": config.context, "stride": config.stride or config.context,
             "seconds": time.perf_counter() - t0}

@@ -239,8 +239,17 @@ class LlamaForCausalLM(nn.Module):
                                 "positions; use a shorter --context")
         h = self.model.embed_tokens(ids)  # (B, T, d)
         cos, sin = rope_tables(self.config, T, dtype=h.dtype, device=h.device)  # (T, hd) each
+        # RMSNorm squares h: beyond sqrt(max/d) the mean square overflows, the norm returns 0 (or NaN) and the
+        # logits turn uniform, a confident perplexity equal to the vocabulary size. Track the peak (one sync).
+        peak = h.detach().abs().amax()
         for layer in self.model.layers:
             h = layer(h, cos, sin)
+            peak = torch.maximum(peak, h.detach().abs().amax())
+        limit = math.sqrt(torch.finfo(h.dtype).max / self.config.hidden_size)
+        if not bool(peak <= limit):  # False for NaN too
+            raise FlowgeomError(f"the forward overflowed {str(h.dtype).replace('torch.', '')}: hidden states reach "
+                                f"|h| = {float(peak):.3g}, beyond the {limit:.3g} RMSNorm can square, so the logits "
+                                "would be meaningless; the weights are broken or wildly scaled: check the checkpoint")
         return self.lm_head(self.model.norm(h))  # (B, T, vocab)
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
