@@ -56,7 +56,7 @@ import json
 import math
 import os
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -101,11 +101,30 @@ def to_json(obj: Any, **kwargs: Any) -> str:
     return json.dumps(plain(obj), allow_nan=False, **kwargs)
 
 
-def check_out_file(path: str | os.PathLike, flag: str = "--out") -> None:
-    """Refuse, before any work, an output file path that cannot be written: a folder, or under a file."""
+def check_out_file(path: str | os.PathLike, flag: str = "--out", *,
+                   inputs: Iterable[str | os.PathLike] = ()) -> None:
+    """Refuse, before any work, an output file path that cannot be written: a folder, or under a file.
+
+    ``inputs`` (the files and folders the command reads) are compared with symlinks resolved: an output that
+    is an input, or lies inside an input folder (or the folder of a sharded index), is refused, so a report
+    can never replace the weights it describes.
+    """
     path = Path(path)
     if path.is_dir():
         raise FlowgeomError(f"{flag} {path} is a folder; {flag} takes a file name, e.g. {path / 'report.json'}")
+    target = Path(os.path.realpath(path))
+    for given in inputs:
+        if str(given).startswith("builtin:") or not os.path.lexists(given):
+            continue
+        source = Path(os.path.realpath(given))
+        folders = [source] if source.is_dir() else [source.parent] if source.name.endswith(".index.json") else []
+        if target == source:
+            raise FlowgeomError(f"{flag} {path} is the input {given}: writing it would replace what is being read; "
+                                f"choose another {flag}")
+        for folder in folders:
+            if target.is_relative_to(folder):
+                raise FlowgeomError(f"{flag} {path} lies inside the input folder {folder}: writing there could "
+                                    f"replace what is being read; choose another {flag} outside it")
     for parent in path.parents:
         if parent.exists():
             if not parent.is_dir():

@@ -143,7 +143,7 @@ def run_analyze(args: argparse.Namespace) -> int:
     fmt = figure_format(args.figure) if args.figure else None
     for flag, path in (("--out", args.out), ("--figure", args.figure)):  # before minutes of analysis, not after
         if path:
-            check_out_file(path, flag)
+            check_out_file(path, flag, inputs=[args.source])
     custom = dict(parse_role_option(text) for text in args.role) if args.role else None
     config = AnalyzeConfig(
         k=args.k, distances=args.distance, roles=tuple(args.roles.split(",")) if args.roles else None,

@@ -1,0 +1,87 @@
+"""An output path that is, or lies inside, an input is refused before any work (``continuity analyze``).
+
+``analyze X.safetensors --out X.safetensors`` used to replace the weights with
+the JSON report; ``--figure`` likewise. Symlinks are resolved, so a link to the
+input is the input. Every case: one line, exit 2, every file byte-identical.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from flowgeom.errors import FlowgeomError
+from flowgeom.runs import check_out_file
+
+
+def _state() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return {f"model.layers.{i}.mlp.{r}_proj.weight": torch.randn(8, 8, generator=gen)
+            for i in range(3) for r in ("up", "down", "gate")}
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file() and not p.is_symlink()}
+
+
+@pytest.fixture
+def model(tmp_path) -> Path:
+    folder = tmp_path / "m"
+    folder.mkdir()
+    save_file(_state(), folder / "model.safetensors")
+    return folder
+
+
+@pytest.mark.parametrize("source, flag, out, line", [
+    ("m/model.safetensors", "--out", "m/model.safetensors",
+     "--out m/model.safetensors is the input m/model.safetensors: writing it would replace what is being read; "
+     "choose another --out"),
+    ("link.safetensors", "--out", "m/model.safetensors",
+     "--out m/model.safetensors is the input link.safetensors: writing it would replace what is being read; "
+     "choose another --out"),
+    ("m/model.safetensors", "--out", "link.safetensors",
+     "--out link.safetensors is the input m/model.safetensors: writing it would replace what is being read; "
+     "choose another --out"),
+])
+def test_an_output_onto_the_input_file_is_refused(model, tmp_path, cli, monkeypatch, source, flag, out, line):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "link.safetensors").symlink_to(model / "model.safetensors")
+    before = snapshot(tmp_path)
+    rc, stdout, err = cli(["continuity", "analyze", source, flag, out])
+    assert rc == 2 and not stdout and err.strip() == f"flowgeom: error: {line}"
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("flag, out", [("--out", "m/model.safetensors"), ("--figure", "m/heatmap.png")])
+def test_an_output_inside_the_input_folder_is_refused(model, tmp_path, cli, monkeypatch, flag, out):
+    monkeypatch.chdir(tmp_path)
+    before = snapshot(tmp_path)
+    rc, _, err = cli(["continuity", "analyze", "m", flag, out])
+    real = os.path.realpath(model)
+    assert rc == 2 and err.strip() == (f"flowgeom: error: {flag} {out} lies inside the input folder {real}: writing "
+                                       f"there could replace what is being read; choose another {flag} outside it")
+    assert snapshot(tmp_path) == before  # the weights are byte-identical
+    assert out == "m/model.safetensors" or not (tmp_path / out).exists()
+
+
+def test_an_output_next_to_the_input_is_written(model, tmp_path, cli, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    before = snapshot(tmp_path / "m")
+    rc, _, _ = cli(["continuity", "analyze", "m/model.safetensors", "--out", "report.json", "--k", "2"])
+    assert rc == 0 and (tmp_path / "report.json").is_file() and snapshot(tmp_path / "m") == before
+
+
+def test_sharded_index_folder_is_an_input(tmp_path):
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s" / "model.safetensors.index.json").write_text("{}")
+    with pytest.raises(FlowgeomError, match="lies inside the input folder"):
+        check_out_file(tmp_path / "s" / "model-00001-of-00002.safetensors",
+                       inputs=[tmp_path / "s" / "model.safetensors.index.json"])
+    check_out_file(tmp_path / "elsewhere.json", inputs=[tmp_path / "s" / "model.safetensors.index.json",
+                                                        "builtin:smollm2"])
