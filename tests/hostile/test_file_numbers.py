@@ -114,7 +114,7 @@ def test_the_untouched_folder_evaluates(folder, tmp_path, cli, strict_json):
 
 # -- GGUF metadata ----------------------------------------------------------------------------------------------
 
-def _gguf(path: Path, **override) -> Path:
+def _gguf(path: Path, *, int8: str | None = None, **override) -> Path:
     """A llama GGUF of TINY whose metadata values can be replaced: ``key=(writer method, value)``."""
     import gguf
 
@@ -143,7 +143,7 @@ def _gguf(path: Path, **override) -> Path:
         else:
             _, _, layer, *rest = key.split(".")
             name = f"blk.{layer}.{names['.'.join(rest[:-1])]}.weight"
-        w.add_tensor(name, t.numpy().astype(np.float32))
+        w.add_tensor(name, (t * 50).round().numpy().astype(np.int8) if name == int8 else t.numpy().astype(np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -178,6 +178,29 @@ def test_forged_gguf_metadata_is_refused_by_share(tmp_path, cli, override, line)
     assert rc == 2 and err.strip() == (f"flowgeom: error: {line}; the file is corrupt or forged: re-download or "
                                        "re-convert it")
     assert not (tmp_path / "o").exists() and snapshot(tmp_path) == before
+
+
+def test_int8_codes_in_a_gguf_are_refused_like_in_an_hf_folder(tmp_path, cli):
+    """One rule for both paths: integer weight codes are refused, never cast to float and scored."""
+    path = _gguf(tmp_path / "codes.gguf", int8="blk.1.ffn_up.weight")
+    before = snapshot(tmp_path)
+    rc, _, err = cli(["continuity", "share", path, "--out", tmp_path / "o", "--method", "svd", "--rank", "2"])
+    assert rc == 2 and err.strip() == (f"flowgeom: error: {path}: blk.1.ffn_up.weight has dtype int8 (and 0 more "
+                                       "integer tensors): a quantised checkpoint; dequantise it to float (e.g. "
+                                       "save_pretrained of the dequantised model) first")
+    assert not (tmp_path / "o").exists() and snapshot(tmp_path) == before
+    from safetensors.torch import save_file
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    state = _state(TINY)
+    state["model.layers.1.mlp.up_proj.weight"] = (state["model.layers.1.mlp.up_proj.weight"] * 50).round().to(
+        torch.int8)
+    save_file({k: v for k, v in state.items() if k != "lm_head.weight"}, hf / "model.safetensors")
+    (hf / "config.json").write_text(json.dumps(TINY.to_hf()))
+    rc, _, err_hf = cli(["continuity", "share", hf, "--out", tmp_path / "o", "--method", "svd", "--rank", "2"])
+    assert rc == 2 and err_hf.strip() == err.strip().replace(str(path), str(hf)).replace(
+        "blk.1.ffn_up.weight", "model.layers.1.mlp.up_proj.weight")
 
 
 # -- adapter_config.json ----------------------------------------------------------------------------------------

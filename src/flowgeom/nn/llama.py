@@ -343,7 +343,7 @@ def gguf_state_dict(path: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tens
             raise FlowgeomError(f"{path} holds {name} (scaled RoPE); only plain RoPE is supported")
         else:
             raise FlowgeomError(f"{path}: unexpected tensor {name!r} for a llama GGUF")
-        w = src.load(name).float()
+        w = float_weights(path, {name: src.load(name)})[name]  # integer codes refused as in HF folders
         if parts[2:3] == ["attn_q"]:
             w = unpermute_rope_rows(w, cfg.num_attention_heads)
         elif parts[2:3] == ["attn_k"]:
@@ -364,13 +364,21 @@ def hf_state_dict(folder: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tens
     except FlowgeomError as exc:
         raise FlowgeomError(f"{folder}: {exc}") from None
     src = open_source(folder)
-    state = {name: src.load(name) for name in src.shapes}
+    return cfg, float_weights(folder, {name: src.load(name) for name in src.shapes})
+
+
+def float_weights(where: str | Path, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` as float32, refusing integer tensors: the one rule for HF folders and GGUF files alike.
+
+    int8/int4 codes cast to float would be scored as a different model (GGUF's own quantised types are
+    dequantised by the reader and arrive here as floats).
+    """
     codes = [name for name, t in state.items() if not t.is_floating_point()]
-    if codes:  # int8/int4 codes scored as floats would be a different model
-        raise FlowgeomError(f"{folder}: {codes[0]} has dtype {str(state[codes[0]].dtype).replace('torch.', '')} (and "
+    if codes:
+        raise FlowgeomError(f"{where}: {codes[0]} has dtype {str(state[codes[0]].dtype).replace('torch.', '')} (and "
                             f"{len(codes) - 1} more integer tensors): a quantised checkpoint; dequantise it to "
                             "float (e.g. save_pretrained of the dequantised model) first")
-    return cfg, {name: t.float() for name, t in state.items()}
+    return {name: t.float() for name, t in state.items()}
 
 
 def is_gguf(spec: str | Path) -> bool:
