@@ -90,6 +90,11 @@ def input_sampler(module: nn.Module, sample_input: Sampler | None, input_shape) 
     return module_sampler(module)
 
 
+DEGENERATE_NOTE = ("degenerate: rank 0, every field is zero: the output does not depend on any parameter at this "
+                   "point (a dead module, or a config such as num_experts_per_tok=0), so all parameters count as "
+                   "laws and the count says nothing about the architecture; fix the module or its config")
+
+
 @dataclass
 class CountResult:
     """What :func:`count` measured. ``laws = parameters − rank``."""
@@ -495,6 +500,8 @@ def count(
         notes.append(f"depth {max_depth} still added directions; raise max_depth for a sure count")
     if not source.vectorised:
         notes.append("torch.func.vmap failed on this module; fields were drawn one by one (slow path)")
+    if span.rank == 0 and d > 0:
+        notes.insert(0, DEGENERATE_NOTE)
     return CountResult(
         parameters=d, rank=span.rank, laws=d - span.rank, ranks_by_depth=ranks, expected=_expected(module),
         seconds=time.perf_counter() - start, seed=seed, tolerance=span.tol, gap=span.gap(), dtype=str(dtype).replace("torch.", ""),
