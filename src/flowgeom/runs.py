@@ -134,6 +134,26 @@ def check_out_file(path: str | os.PathLike, flag: str = "--out", *,
             return
 
 
+def confined(root: str | os.PathLike, path: str | os.PathLike, what: str = "the output") -> Path:
+    """``path`` under ``root``, refused when any component below ``root`` (``path`` included) is a symlink.
+
+    A link planted in a folder flowgeom writes (a run folder, ``rejected/``, an export) would carry the write
+    out of that folder; links are refused, never followed. ``root`` itself may be a link the user chose.
+    """
+    root, path = Path(root), Path(path)
+    try:
+        rel = path.relative_to(root)
+    except ValueError:
+        raise FlowgeomError(f"{what} {path} is not inside {root}; flowgeom writes only inside it") from None
+    current = root
+    for part in rel.parts:
+        current = current / part
+        if current.is_symlink():
+            raise FlowgeomError(f"{what} {path} goes through the symlink {current} (-> {os.readlink(current)}); "
+                                f"flowgeom never writes through a link out of {root}: remove the link")
+    return path
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write ``data`` to ``path`` so that readers see the old or the new file only."""
     path = Path(path)

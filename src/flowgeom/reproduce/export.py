@@ -10,10 +10,10 @@ are listed in the export's ``EXPORT.json``.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 from flowgeom.errors import FlowgeomError
+from flowgeom.runs import atomic_write_bytes, atomic_write_json, confined
 
 KEPT_SUFFIXES = (".json", ".jsonl", ".md", ".html", ".png", ".svg", ".csv", ".txt")
 MAX_BYTES = 2_000_000  # per file: a figure or a long metrics log, never a checkpoint
@@ -47,12 +47,9 @@ def export_results(out: str | Path, dest: str | Path, *, max_bytes: int = MAX_BY
         if path.suffix not in KEPT_SUFFIXES or path.stat().st_size > max_bytes:
             left.append(str(rel))
             continue
-        target = dest / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(path, target)
+        target = confined(dest, dest / rel, "--export file")  # a planted link would carry the copy outside
+        atomic_write_bytes(target, path.read_bytes())  # <= max_bytes
         copied.append(str(rel))
-    from flowgeom.runs import atomic_write_json
-
-    atomic_write_json(dest / "EXPORT.json", {"source": str(out), "copied": len(copied), "left_behind": left,
+    atomic_write_json(confined(dest, dest / "EXPORT.json", "--export file"), {"source": str(out), "copied": len(copied), "left_behind": left,
                                              "rule": f"kept {', '.join(KEPT_SUFFIXES)} files up to {max_bytes} bytes"})
     return {"copied": copied, "left": left}

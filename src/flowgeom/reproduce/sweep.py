@@ -56,7 +56,7 @@ from typing import Any
 from flowgeom.errors import FlowgeomError, choice_error
 from flowgeom.files import read_text, regular_file
 from flowgeom.reproduce.registry import Claim, RunFn, run_id
-from flowgeom.runs import RunFolder, atomic_write_bytes, atomic_write_json
+from flowgeom.runs import RunFolder, atomic_write_bytes, atomic_write_json, confined
 
 BACKENDS = ("local", "ray")
 TIMING = "timing.json"
@@ -137,6 +137,10 @@ def execute(spec: RunSpec, resume: bool) -> Outcome:
     Never raises for a failing run: the exception becomes a failed Outcome
     (and, when the folder is writable, ``error.txt`` with the traceback).
     """
+    try:  # a run folder (or a folder above it) planted as a link would carry every write outside the sweep
+        confined(_root(spec), spec.path, "run folder")
+    except FlowgeomError as exc:
+        return Outcome(spec.key, "failed", error=str(exc))
     folder = RunFolder(spec.path)
     if folder.finished:
         return Outcome(spec.key, "skipped")
@@ -252,6 +256,12 @@ def vet(spec: RunSpec, manifest: Manifest) -> Outcome | None:
     if reason is None:
         return None
     aside = _root(spec) / REJECTED / spec.claim_id / spec.run_id
+    try:
+        confined(_root(spec), aside, "rejected folder")  # rmtree/replace through a planted link would leave the sweep
+        confined(_root(spec), spec.path, "run folder")
+    except FlowgeomError as exc:
+        return Outcome(spec.key, "failed", error=f"its results cannot be trusted ({reason}) and it cannot be moved "
+                       f"aside: {exc}")
     try:
         if aside.exists():
             shutil.rmtree(aside)
