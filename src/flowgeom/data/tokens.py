@@ -102,25 +102,36 @@ def cache_dir() -> Path:
     return Path(os.environ.get("FLOWGEOM_CACHE") or Path.home() / ".cache" / "flowgeom") / "tokens"
 
 
+def _digest(key: str, ids: np.ndarray) -> str:
+    """sha256 (16 hex) of a cache entry's key and ids: binds the ids to the text and tokenizer they came from."""
+    return hashlib.sha256(key.encode() + np.ascontiguousarray(ids, dtype="<i4").tobytes()).hexdigest()[:16]
+
+
 def cached_ids(text: str, tokenizer, *, cache: Path | None = None) -> np.ndarray:
-    """Token ids (int32, no special tokens added) of ``text``, from the disk cache or computed and stored."""
+    """Token ids (int32, no special tokens added) of ``text``, from the disk cache or computed and stored.
+
+    An entry is ``KEY-DIGEST.npy``: KEY hashes the text and the tokenizer, DIGEST hashes KEY and the ids. An
+    entry whose ids do not hash to its DIGEST (damaged, truncated, or edited by hand) is ignored and rewritten.
+    """
     from flowgeom.runs import atomic_write_bytes
 
     key = f"{hashlib.sha256(text.encode()).hexdigest()[:16]}-{tokenizer_fingerprint(tokenizer)[:16]}"
-    path = (cache or cache_dir()) / f"{key}.npy"
-    if path.is_file():
+    folder = cache or cache_dir()
+    for path in sorted(folder.glob(f"{key}-*.npy")) if folder.is_dir() else []:
+        if not path.is_file():
+            continue
         try:
             with open_regular(path, "token cache entry") as fh:
                 ids = np.load(fh, allow_pickle=False)
-            if ids.dtype == np.int32 and ids.ndim == 1:
-                return ids
         except (OSError, ValueError):
-            pass  # damaged cache file: recompute and overwrite
+            continue  # damaged cache file: recompute and overwrite
+        if ids.dtype == np.int32 and ids.ndim == 1 and path.stem == f"{key}-{_digest(key, ids)}":
+            return ids
     ids = np.asarray(tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int32)
     buf = io.BytesIO()
     np.save(buf, ids, allow_pickle=False)
     try:
-        atomic_write_bytes(path, buf.getvalue())
+        atomic_write_bytes(folder / f"{key}-{_digest(key, ids)}.npy", buf.getvalue())
     except (OSError, FlowgeomError):
         pass  # a read-only cache only costs time
     return ids
