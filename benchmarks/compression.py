@@ -44,7 +44,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    from flowgeom.continuity.factored import factored_llama, projection_bytes
+    from flowgeom.continuity.factored import dense_state, factored_llama, projection_bytes, read_factored
     from flowgeom.continuity.share import ShareConfig, share_model
     from flowgeom.nn.llama import llama_from_state
 
@@ -78,7 +78,8 @@ def main() -> None:
         diff = float((fact(x) - dense(x)).abs().max())
         scale = float(dense(x).abs().max())
         fact64 = factored_llama(tmp / "factored", dtype=torch.float64)
-        dense64 = llama_from_state(fact.config, shared.compressed.dense_state(shared.state), dtype=torch.float64)
+        cfg, units, tensors = read_factored(tmp / "factored")  # the reconstruction of what is on disk, in float64
+        dense64 = llama_from_state(cfg, dense_state(units, tensors, dtype=torch.float64), dtype=torch.float64)
         diff64 = float((fact64(x[:, :64]) - dense64(x[:, :64])).abs().max())
         del fact64, dense64
         times = {"factored": [], "dense": []}

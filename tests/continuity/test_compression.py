@@ -128,6 +128,9 @@ def test_every_method_meets_the_budget_and_writes_a_loadable_factored_folder(tin
         want = ref(ids)
         assert (factored_llama(out)(ids) - want).abs().max() < 1e-5
         assert (factored_hf_llama(out)(ids).logits - want).abs().max() < 1e-5
+        exact = llama_from_state(cfg, dense_state(units, tensors, dtype=torch.float64), dtype=torch.float64)(ids)
+        # llama_from_state holds float32 weights before casting: the reference is the reconstruction to float32
+        assert (factored_llama(out, dtype=torch.float64)(ids) - exact).abs().max() < 1e-6
     shared = [u for u in units if len(u.layers) > 1]
     if method == "basis-sharing":
         assert {u.role for u in shared} == {"q", "k", "v", "gate", "up"}

@@ -210,15 +210,17 @@ def read_factored(folder: str | Path) -> tuple[object, list[FactoredUnit], dict[
     return cfg, units, tensors
 
 
-def dense_state(units: Sequence[FactoredUnit], tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Plain Llama weights: every factored projection rebuilt densely (float32), factor tensors dropped."""
+def dense_state(units: Sequence[FactoredUnit], tensors: Mapping[str, torch.Tensor], *,
+                dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Plain Llama weights in ``dtype``: every factored projection rebuilt densely (the product taken in
+    float64, so it is the stored factorisation's exact reconstruction), factor tensors dropped."""
     factor_names = {u.basis for u in units} | {c for u in units for c in u.coeffs}
-    out = {k: v.float() for k, v in tensors.items() if k not in factor_names}
+    out = {k: v.to(dtype) for k, v in tensors.items() if k not in factor_names}
     for u in units:
-        basis = tensors[u.basis].float()
+        basis = tensors[u.basis].double()
         for l, c in zip(u.layers, u.coeffs):
-            coeff = tensors[c].float()
-            out[weight_key(l, u.role)] = coeff @ basis if u.space == "input" else basis @ coeff
+            coeff = tensors[c].double()
+            out[weight_key(l, u.role)] = (coeff @ basis if u.space == "input" else basis @ coeff).to(dtype)
     return out
 
 
