@@ -139,3 +139,11 @@ def test_fifo_manifest_and_cifar_batch_are_refused_in_the_api(tmp_path):
         f"zero {tmp_path / 'zero'} is a character device, not a regular file; it was not opened (reading a FIFO or "
         "device can block forever): pass a JSON file",
     ]
+
+
+def test_a_fifo_target_file_is_refused_by_laws_count(tmp_path):
+    """``laws count FILE.py:NAME`` with FILE.py a FIFO: refused by name, not imported (the import would block)."""
+    os.mkfifo(tmp_path / "model.py")
+    rc, err = flowgeom(["laws", "count", "model.py:Net"], tmp_path, tmp_path / "cache")
+    assert rc == 2 and err.splitlines() == [f"flowgeom: error: target file model.py {FIFO}: give "
+                                            "path/to/file.py:NAME"], err

@@ -21,6 +21,7 @@ import importlib.util
 import inspect
 import math
 import operator
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ import torch
 from torch import nn
 
 from flowgeom.errors import FlowgeomError
+from flowgeom.files import regular_file
 from flowgeom.laws.fields import Sampler, generator, module_sampler, shape_sampler
 
 
@@ -72,8 +74,9 @@ def _load_module(spec: str) -> Any:
     """Import ``path/to/file.py`` or ``package.module``; FlowgeomError on failure."""
     if spec.endswith(".py") or "/" in spec or "\\" in spec:
         path = Path(spec)
-        if not path.is_file():
+        if not os.path.lexists(path):
             raise FlowgeomError(f"no such file {spec!r}; give path/to/file.py:NAME")
+        regular_file(path, "target file", fix="give path/to/file.py:NAME")  # a FIFO would block the import
         name = f"_flowgeom_target_{abs(hash(str(path.resolve())))}"
         loader = importlib.util.spec_from_file_location(name, path)
         mod = importlib.util.module_from_spec(loader)
