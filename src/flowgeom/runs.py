@@ -101,13 +101,25 @@ def to_json(obj: Any, **kwargs: Any) -> str:
     return json.dumps(plain(obj), allow_nan=False, **kwargs)
 
 
+def _is_checkpoint(path: Path) -> bool:
+    """Whether ``path`` starts like a GGUF or safetensors file (magic ``GGUF``; u64 header length, then ``{``)."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(9)
+    except OSError:
+        return False
+    return head[:4] == b"GGUF" or (len(head) == 9 and head[8:9] == b"{"
+                                   and 2 <= int.from_bytes(head[:8], "little") <= path.stat().st_size - 8)
+
+
 def check_out_file(path: str | os.PathLike, flag: str = "--out", *,
                    inputs: Iterable[str | os.PathLike] = ()) -> None:
     """Refuse, before any work, an output file path that cannot be written: a folder, or under a file.
 
     ``inputs`` (the files and folders the command reads) are compared with symlinks resolved: an output that
     is an input, or lies inside an input folder (or the folder of a sharded index), is refused, so a report
-    can never replace the weights it describes.
+    can never replace the weights it describes. A user flag (``--out``, ``--figure``) onto an existing file
+    that starts like a safetensors or GGUF checkpoint is refused whatever the inputs.
     """
     path = Path(path)
     if path.is_dir():
@@ -125,6 +137,9 @@ def check_out_file(path: str | os.PathLike, flag: str = "--out", *,
             if target.is_relative_to(folder):
                 raise FlowgeomError(f"{flag} {path} lies inside the input folder {folder}: writing there could "
                                     f"replace what is being read; choose another {flag} outside it")
+    if flag.startswith("--") and path.is_file() and not path.is_symlink() and _is_checkpoint(path):
+        raise FlowgeomError(f"{flag} {path} is an existing model checkpoint; {flag} writes a report and would "
+                            f"replace the weights: choose another {flag}")
     for parent in path.parents:
         if parent.exists():
             if not parent.is_dir():

@@ -85,3 +85,25 @@ def test_sharded_index_folder_is_an_input(tmp_path):
                        inputs=[tmp_path / "s" / "model.safetensors.index.json"])
     check_out_file(tmp_path / "elsewhere.json", inputs=[tmp_path / "s" / "model.safetensors.index.json",
                                                         "builtin:smollm2"])
+
+
+@pytest.mark.parametrize("argv", [["continuity", "evaluate", "m", "--out", "m/model.safetensors"],
+                                  ["continuity", "analyze", "other.safetensors", "--out", "m/model.safetensors"]])
+def test_a_report_never_replaces_an_existing_checkpoint(model, tmp_path, cli, monkeypatch, argv):
+    """Whatever the inputs: ``--out`` onto a file that starts like safetensors/GGUF is refused (evaluate included)."""
+    monkeypatch.chdir(tmp_path)
+    save_file(_state(), tmp_path / "other.safetensors")
+    before = snapshot(tmp_path)
+    rc, _, err = cli(argv)
+    assert rc == 2 and err.strip() == ("flowgeom: error: --out m/model.safetensors is an existing model checkpoint; "
+                                       "--out writes a report and would replace the weights: choose another --out")
+    assert snapshot(tmp_path) == before
+
+
+def test_a_gguf_is_recognised_and_a_report_may_be_replaced(tmp_path):
+    (tmp_path / "w.gguf").write_bytes(b"GGUF" + bytes(20))
+    with pytest.raises(FlowgeomError, match="is an existing model checkpoint"):
+        check_out_file(tmp_path / "w.gguf")
+    (tmp_path / "report.json").write_text('{"old": 1}\n')
+    check_out_file(tmp_path / "report.json")  # an old report is meant to be replaced
+    check_out_file(tmp_path / "w.gguf", "the output")  # internal writers (checkpoint savers) are not reports
