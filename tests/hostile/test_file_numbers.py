@@ -284,3 +284,27 @@ def test_hf_target_size_is_extrapolated_before_the_full_build(cli, monkeypatch):
     total = 4000 * per_layer + 2 * 16 * 64 + 64  # untied embedding and lm_head (vocab 16), final norm
     assert rc == 2 and f"has about {total:,} parameters, more than the 20,000,000" in err, err
     assert built == [1, 2]  # the 4000-layer model was never built, not even on meta
+
+
+# -- GGUF tokenizer metadata ------------------------------------------------------------------------------------
+
+FIX = "the GGUF's tokenizer metadata is corrupt or forged: re-download or re-convert it"
+
+
+@pytest.mark.parametrize("meta, message", [
+    ({"tokenizer.ggml.tokens": [1, 2, 3]}, f"GGUF metadata tokenizer.ggml.tokens must be a list of str, got list; {FIX}"),
+    ({"tokenizer.ggml.merges": "a b"}, f"GGUF metadata tokenizer.ggml.merges must be a list of str, got str; {FIX}"),
+    ({"tokenizer.ggml.token_type": ["control"]},
+     f"GGUF metadata tokenizer.ggml.token_type must be a list of int, got list; {FIX}"),
+    ({"tokenizer.ggml.merges": ["a b c"]}, f"GGUF merge 'a b c' is not two tokens separated by one space; {FIX}"),
+    ({"tokenizer.ggml.merges": ["a zz"]}, "the GGUF tokenizer cannot be built ("),
+])
+def test_forged_gguf_tokenizer_metadata_is_one_error(meta, message):
+    from flowgeom.data.tokens import gguf_tokenizer
+
+    good = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "b", "ab"],
+            "tokenizer.ggml.merges": ["a b"], "tokenizer.ggml.token_type": [1, 1, 1]}
+    assert gguf_tokenizer(good).encode("ab").ids == [2]  # the unforged metadata builds a working tokenizer
+    with pytest.raises(FlowgeomError) as info:
+        gguf_tokenizer({**good, **meta})
+    assert str(info.value).startswith(message) and "\n" not in str(info.value)

@@ -28,6 +28,7 @@ import numpy as np
 
 from flowgeom.errors import FlowgeomError
 from flowgeom.files import open_regular, read_text
+from flowgeom.limits import file_int
 
 MAX_TOKENIZER = 2**28  # bytes of tokenizer.json (the largest real ones are ~35 MB)
 CONTROL = 3  # llama.cpp token type of control tokens (<|endoftext|>, <|im_start|> ...)
@@ -49,11 +50,24 @@ def gguf_tokenizer(metadata: dict):
     if pre not in ("default", "gpt2", "smollm", "starcoder"):
         raise FlowgeomError(f"GGUF pre-tokenizer {pre!r} is not supported (its split regex differs from GPT-2's); "
                             "supported: default, gpt2, smollm, starcoder")
-    tok = Tokenizer(BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[tuple(m.split(" ", 1)) for m in merges],
-                        dropout=None, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
+    fix = "the GGUF's tokenizer metadata is corrupt or forged: re-download or re-convert it"
+    kinds = metadata.get("tokenizer.ggml.token_type") or ()
+    for key, value, item in (("tokens", tokens, str), ("merges", merges, str), ("token_type", kinds, int)):
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, item) and not isinstance(v, bool)
+                                                           for v in value):
+            raise FlowgeomError(f"GGUF metadata tokenizer.ggml.{key} must be a list of {item.__name__}, got "
+                                f"{type(value).__name__}; {fix}")
+    file_int(len(tokens), "vocab_size", where="GGUF metadata tokenizer.ggml.tokens (count)", fix=fix)
+    bad = next((m for m in merges if len(m.split(" ")) != 2), None)
+    if bad is not None:
+        raise FlowgeomError(f"GGUF merge {bad[:40]!r} is not two tokens separated by one space; {fix}")
+    try:
+        tok = Tokenizer(BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[tuple(m.split(" ")) for m in merges],
+                            dropout=None, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
+    except Exception as exc:  # noqa: BLE001 - the tokenizers library raises its own Exception type
+        raise FlowgeomError(f"the GGUF tokenizer cannot be built ({' '.join(str(exc).split())[:200]}); {fix}") from None
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    kinds = metadata.get("tokenizer.ggml.token_type") or ()
     control = [AddedToken(t, normalized=False, special=True) for t, k in zip(tokens, kinds) if k == CONTROL]
     if control:
         tok.add_special_tokens(control)
