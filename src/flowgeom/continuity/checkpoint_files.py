@@ -50,9 +50,6 @@ ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
 _ENTRY_KEYS = ("dtype", "shape", "data_offsets")
 
 
-_open_regular = open_regular  # the name this module's readers (and sources.py) have used
-
-
 class _Duplicate(ValueError):
     pass
 
@@ -176,7 +173,7 @@ def validate_header(header: object, data_len: int, where: str) -> dict[str, Tens
 def read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
     """Validated ``{tensor name: TensorEntry}`` of safetensors file ``path``; no tensor data is read."""
     where = shown(path)
-    with _open_regular(path, "safetensors file") as fh:
+    with open_regular(path, "safetensors file") as fh:
         size = os.fstat(fh.fileno()).st_size
         head = fh.read(8)
         n = int.from_bytes(head, "little")
@@ -196,7 +193,7 @@ def read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
 def read_index(path: Path) -> dict[str, str]:
     """``weight_map`` of a ``*.safetensors.index.json`` after checking its schema: ``{tensor name: shard name}``."""
     where = shown(path)
-    with _open_regular(path, "safetensors index") as fh:
+    with open_regular(path, "safetensors index") as fh:
         size = os.fstat(fh.fileno()).st_size
         if size > MAX_INDEX:
             raise FlowgeomError(f"{where}: {size} bytes is far too large for a safetensors index (limit {MAX_INDEX}); "

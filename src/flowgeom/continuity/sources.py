@@ -193,11 +193,11 @@ class GGUFSource(TensorSource):
     """
 
     def __init__(self, path: Path):
-        from flowgeom.continuity.checkpoint_files import _open_regular
+        from flowgeom.files import open_regular
         from flowgeom.gguf_file import GGUFFile
 
         self.label, self._path = shown(path), path
-        with _open_regular(path, "GGUF file") as fh:
+        with open_regular(path, "GGUF file") as fh:
             try:
                 self._file = GGUFFile(path, fh)
             except FlowgeomError:
