@@ -196,6 +196,10 @@ def test_sweep_writes_the_curve_and_its_figure(tiny, tmp_path, capsys):
     assert [p["budget"] for p in result["points"]] == [0.2, 0.4]
     assert all(math.isfinite(p["ppl"]) and p["saved_fraction"] >= p["budget"] - 1e-9 for p in result["points"])
     assert (out / "sweep.png").stat().st_size > 1000 and json.loads((out / "sweep.json").read_text())["points"]
+    code, stdout, err = _share(capsys, tiny, tmp_path / "drops", "--method", "drop-angular", "--sweep", "0.2,0.4",
+                               "--eval-tokens", "300", "--json")
+    assert code == 0, err
+    assert [p["saved_params"] > 0 for p in json.loads(stdout)["points"]] == [True, True]
 
 
 # ---------------------------------------------------------------- bad input: one line, exit 2, nothing written
@@ -311,3 +315,28 @@ def test_float16_storage_halves_the_projection_bytes_and_loads_as_its_own_recons
         assert (factored_llama(tmp_path / "float16")(ids) - want).abs().max() < 1e-5
     code, _, err = _share(capsys, tiny, tmp_path / "x", "--dense", "--dtype", "float16")
     assert code == 2 and "--dtype applies to factored folders only" in err
+
+
+@pytest.mark.parametrize("method", ["drop-angular", "drop-bi"])
+def test_dropping_blocks_writes_a_shorter_llama_that_evaluates(tiny, tmp_path, capsys, method):
+    from flowgeom.continuity.calibrate import calibrate as calib_of
+    from flowgeom.continuity.compress import angular_drop, bi_drop
+
+    out = tmp_path / method
+    code, stdout, err = _share(capsys, tiny, out, "--method", method, "--budget", "0.3", "--json")
+    assert code == 0, err
+    report = json.loads(stdout)
+    cfg, state, model, _ = _model_and_ids(tiny)
+    ids = torch.tensor(list(TEXT.encode()[:512]), dtype=torch.long).reshape(-1, 512)  # the CLI's one sequence
+    calib = calib_of(model, ids)
+    n = len(report["dropped"])
+    assert report["dropped"] == (angular_drop(calib.angular, n) if method == "drop-angular"
+                                 else bi_drop(calib.block_influence, n))
+    back, _ = llama_state_dict(out)
+    assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 4 - n == report["layers"]
+    assert report["scope_saved_fraction"] == pytest.approx(report["saved_params"] / report["scope_params"])
+    code, stdout, err = _run(capsys, "continuity", "evaluate", str(tiny), "--compare", str(out), "--text",
+                             str(tiny.parent / "text.txt"), "--context", "64", "--json")
+    assert code == 0, err and math.isfinite(json.loads(stdout)["models"][1]["ppl"])
+    code, _, err = _share(capsys, tiny, tmp_path / "x", "--method", method, "--rank", "4")
+    assert code == 2 and "drops whole blocks" in err

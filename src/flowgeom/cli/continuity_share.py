@@ -20,7 +20,7 @@ from flowgeom.cli._common import (
 from flowgeom.errors import FlowgeomError
 
 ROLES = ("q", "k", "v", "o", "gate", "up", "down")
-METHODS = ("svd", "whiten", "basis-sharing", "share", "continuity")
+METHODS = ("svd", "whiten", "basis-sharing", "share", "continuity", "drop-angular", "drop-bi")
 DEFAULT_CALIB_TOKENS = 16384  # flowgeom.continuity.calibrate.DEFAULT_TOKENS (kept here: --help imports no torch)
 BUDGET_TOL = 0.01  # an obtained saving further than this from --budget is shown loudly
 
@@ -104,6 +104,10 @@ def run_share(args: argparse.Namespace) -> int:
         print_json(result)
     elif args.sweep:
         _print_sweep(result)
+    elif "dropped" in result:
+        console().print(f"{result['source']} -> {result['out']}: {result['method']} dropped blocks "
+                        f"{result['dropped']} ({result['layers']} left): {100 * result['scope_saved_fraction']:.2f}% "
+                        f"of the projections saved, asked {100 * result['budget']:g}%; {result['seconds']:.1f} s")
     else:
         _print_share(result)
     return 0
@@ -270,7 +274,8 @@ def register_verbs(verbs) -> None:
                         "perplexity measured on SmolLM2, docs/continuity-sharing.md); basis-sharing: Wang et "
                         "al. 2025 (q,k,v,gate,up shared in input space over --group layers); share: whitened "
                         "sharing in --space; continuity: each role's space and which adjacent layers share, "
-                        "from the measured continuity")
+                        "from the measured continuity; drop-angular / drop-bi: drop whole blocks (Gromov et al. "
+                        "2024 / ShortGPT), a plain Llama with fewer layers")
     p.add_argument("--roles", type=comma_list(ROLES, what="role"), default=ROLES,
                    help="roles to compress, comma-separated (default all seven)")
     size = p.add_mutually_exclusive_group()

@@ -298,3 +298,21 @@ def random_drop_order(n_layers: int, *, seed: int, protect: Sequence[int] = ()) 
     """A random ranking (the control for :func:`drop_order`), from its own generator."""
     gen = torch.Generator().manual_seed(seed)
     return [l for l in torch.randperm(n_layers, generator=gen).tolist() if l not in set(protect)]
+
+
+def drop_count(budget: float, scope: int, block: int, n_layers: int) -> int:
+    """Blocks to drop so that ``n block`` is nearest ``budget scope`` (at least 1, at most L - 2)."""
+    return max(1, min(n_layers - 2, round(budget * scope / block)))
+
+
+def bi_drop(block_influence: Sequence[float], n: int) -> list[int]:
+    """ShortGPT (Men et al. 2024): the n blocks of lowest Block Influence ``1 - mean cos(input, output)``."""
+    return sorted(sorted(range(len(block_influence)), key=lambda l: (block_influence[l], l))[:n])
+
+
+def angular_drop(angular: Mapping[int, Sequence[float]], n: int) -> list[int]:
+    """Gromov et al. 2024: blocks l..l+n-1 for the l whose input and the output of block l+n-1 differ least
+    (angular distance ``arccos(cos)/π`` between the inputs of blocks l and l+n)."""
+    row = angular[n]
+    start = min(range(len(row)), key=lambda l: (row[l], l))
+    return list(range(start, start + n))

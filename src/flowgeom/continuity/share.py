@@ -31,6 +31,7 @@ from flowgeom.continuity.calibrate import DEFAULT_TOKENS
 from flowgeom.errors import FlowgeomError, choice_error
 
 SPACE_CHOICES = ("auto", "seed", "opposite", "input", "output")
+DROP_METHODS = ("drop-angular", "drop-bi")  # whole blocks dropped: Gromov et al.'s angular distance, ShortGPT's BI
 STORAGE = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
@@ -53,13 +54,17 @@ class ShareConfig:
     dtype: str = "float32"  # storage of a factored folder: float32, float16 or bfloat16
 
     def __post_init__(self):
-        if self.method not in C.METHODS:
-            raise choice_error("method", self.method, C.METHODS)
+        if self.method not in C.METHODS + DROP_METHODS:
+            raise choice_error("method", self.method, C.METHODS + DROP_METHODS)
+        if self.method in DROP_METHODS and (self.rank is not None or self.sequential or self.refit
+                                            or self.dtype != "float32"):
+            raise FlowgeomError(f"--method {self.method} drops whole blocks at a --budget; --rank, --sequential, "
+                                "--refit and --dtype do not apply")
         if (self.budget is None) == (self.rank is None):
             raise FlowgeomError("give exactly one of --budget (fraction saved) and --rank")
         if self.budget is not None and not 0.0 < self.budget < 1.0:
             raise FlowgeomError(f"--budget {self.budget!r} must be a fraction in (0, 1); e.g. 0.2 saves 20%")
-        if self.space is not None and self.method != "share":
+        if self.space is not None and self.method != "share":  # noqa: SIM102
             raise FlowgeomError(f"--space goes with --method share only; --method {self.method} "
                                 + ("chooses spaces itself" if self.method == "continuity" else
                                    "has fixed spaces (input space, per its paper)"))
@@ -204,6 +209,33 @@ def _make(config: ShareConfig, cfg, state, source: Path, tokenizer, *, progress:
     return compressed, facts
 
 
+def drop_blocks(config: ShareConfig, cfg, state, source: Path, tokenizer, *, progress: Progress | None = None,
+                calib_cache: dict | None = None) -> tuple[Any, dict[str, torch.Tensor], dict[str, Any]]:
+    """``(config, state, facts)`` of the model without the blocks ``config.method`` ranks first: as many as
+    save ``config.budget`` of the in-scope projection parameters (the calibration pass gives BI and angles)."""
+    from dataclasses import replace as replace_
+
+    from flowgeom.continuity.calibrate import cached_calibration
+    from flowgeom.continuity.compress import angular_drop, bi_drop, block_params, drop_count, drop_layers
+    from flowgeom.nn.llama import llama_from_state
+
+    cache = calib_cache if calib_cache is not None else {}
+    if "ids" not in cache:
+        cache["ids"] = calibration_ids(source, config.calib, config.calib_tokens, config.seq_len, tokenizer)
+    if "calib" not in cache:
+        step = (lambda d, t: progress("calibrate", d, t)) if progress else None
+        cache["calib"], _ = cached_calibration(llama_from_state(cfg, state), state, cache["ids"], progress=step)
+    L = cfg.num_hidden_layers
+    C._shapes(state, config.roles, L)
+    scope = sum(L * state[C.weight_key(0, r)].numel() for r in config.roles)
+    n = drop_count(config.budget, scope, block_params(state, 0), L)
+    calib = cache["calib"]
+    dropped = angular_drop(calib.angular, n) if config.method == "drop-angular" else bi_drop(calib.block_influence, n)
+    saved = sum(block_params(state, l) for l in dropped)
+    return (replace_(cfg, num_hidden_layers=L - n), drop_layers(state, dropped, n_layers=L),
+            {"dropped": dropped, "scope_params": scope, "saved_params": saved, "scope_saved_fraction": saved / scope})
+
+
 def role_report(compressed: C.Compressed, state: Mapping[str, torch.Tensor],
                 calib=None) -> dict[str, dict[str, Any]]:
     """Per role: spaces, groups, ranks, parameters and the relative errors (weights, and whitened when ``calib``)."""
@@ -238,6 +270,9 @@ def share_model(source: str, out: Path, config: ShareConfig, *, force: bool = Fa
     cfg, state = llama_state_dict(path)
     check_weights(state, config.roles, cfg.num_hidden_layers)
     tokenizer = model_tokenizer(path)
+    if config.method in DROP_METHODS:
+        return _share_by_dropping(source, out, config, cfg, state, path, tokenizer, force=force, progress=progress,
+                                  t0=t0)
     compressed, facts = _make(config, cfg, state, path, tokenizer, progress=progress)
     report = build_report(source, out, config, cfg, state, compressed, facts)
     report["tokenizer"] = None if tokenizer is None else "tokenizer.json"
@@ -256,6 +291,21 @@ def share_model(source: str, out: Path, config: ShareConfig, *, force: bool = Fa
     write_folder(out, fill, force=force)
     report["seconds"] = time.perf_counter() - t0
     return Shared(compressed, report, state)
+
+
+def _share_by_dropping(source, out, config, cfg, state, path, tokenizer, *, force, progress, t0) -> Shared:
+    from flowgeom.continuity.checkpoint_out import save_llama_folder, write_folder
+
+    new_cfg, new_state, facts = drop_blocks(config, cfg, state, path, tokenizer, progress=progress)
+    total = sum(t.numel() for k, t in state.items() if k != "lm_head.weight" or not cfg.tie_word_embeddings)
+    report = {"source": str(source), "out": str(out), "method": config.method, "budget": config.budget,
+              "format": "dense", "layers": new_cfg.num_hidden_layers, **facts, "model_params": total,
+              "saved_fraction": facts["saved_params"] / total,
+              "tokenizer": None if tokenizer is None else "tokenizer.json", "notes": []}
+    write_folder(out, lambda tmp: save_llama_folder(tmp, new_cfg.to_hf(), new_state, tokenizer=tokenizer,
+                                                    report=report), force=force)
+    report["seconds"] = time.perf_counter() - t0
+    return Shared(None, report, state)
 
 
 def build_report(source, out, config: ShareConfig, cfg, state, compressed: C.Compressed,

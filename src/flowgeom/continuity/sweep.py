@@ -18,7 +18,9 @@ from typing import Any
 
 import torch
 
-from flowgeom.continuity.share import Progress, ShareConfig, _make, check_weights, model_tokenizer, source_path
+from flowgeom.continuity.share import (
+    DROP_METHODS, Progress, ShareConfig, _make, check_weights, drop_blocks, model_tokenizer, source_path,
+)
 from flowgeom.errors import FlowgeomError
 
 
@@ -53,13 +55,20 @@ def sweep_budgets(source: str, out: Path, config: ShareConfig, budgets: Sequence
     shared: dict = {}
     points = []
     for i, b in enumerate(budgets):
-        compressed, _ = _make(replace(config, budget=b, rank=None), cfg, state, path, tokenizer, calib_cache=shared,
-                              progress=progress)
-        model = llama_from_state(cfg, compressed.dense_state(state))
+        point = replace(config, budget=b, rank=None)
+        if config.method in DROP_METHODS:
+            new_cfg, new_state, facts = drop_blocks(point, cfg, state, path, tokenizer, calib_cache=shared,
+                                                    progress=progress)
+            model, saved, fraction = (llama_from_state(new_cfg, new_state), facts["saved_params"],
+                                      facts["scope_saved_fraction"])
+        else:
+            compressed, _ = _make(point, cfg, state, path, tokenizer, calib_cache=shared, progress=progress)
+            p = compressed.plan
+            model, saved, fraction = (llama_from_state(cfg, compressed.dense_state(state)),
+                                      p.dense_params - p.stored_params, p.saved_fraction)
         ppl = perplexity(model, ids, ev)["ppl"]
-        p = compressed.plan
-        points.append({"budget": b, "saved_fraction": p.saved_fraction, "saved_params": p.dense_params - p.stored_params,
-                       "ppl": ppl, "ppl_ratio": ppl / reference})
+        points.append({"budget": b, "saved_fraction": fraction, "saved_params": saved, "ppl": ppl,
+                       "ppl_ratio": ppl / reference})
         if progress:
             progress("sweep", i + 1, len(budgets))
     result = {"source": str(source), "method": config.method, "roles": list(config.roles),

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from flowgeom.continuity.compress import angular_drop, bi_drop, drop_count
 from flowgeom.continuity.compression import HF_NAMES, ROLES, SEED_SPACE, weight_key
 from flowgeom.errors import FlowgeomError, choice_error
 
@@ -88,23 +89,6 @@ def sharing_grid(preset: str = "quick", *, source: str = "builtin:smollm2", text
 
 
 # ---------------------------------------------------------------- pruning orders (pure)
-
-def drop_count(budget: float, scope: int, block: int, n_layers: int) -> int:
-    """Blocks to drop so that ``n block`` is nearest ``budget scope`` (at least 1, at most L - 2)."""
-    return max(1, min(n_layers - 2, round(budget * scope / block)))
-
-
-def bi_drop(block_influence: Sequence[float], n: int) -> list[int]:
-    """ShortGPT: the n blocks of lowest Block Influence."""
-    return sorted(sorted(range(len(block_influence)), key=lambda l: (block_influence[l], l))[:n])
-
-
-def angular_drop(angular: Mapping[int, Sequence[float]], n: int) -> list[int]:
-    """Gromov et al.: blocks l..l+n-1 for the l whose input and the output of block l+n-1 differ least."""
-    row = angular[n]
-    start = min(range(len(row)), key=lambda l: (row[l], l))
-    return list(range(start, start + n))
-
 
 def continuity_drop(state: Mapping[str, torch.Tensor], n_layers: int, n: int) -> list[int]:
     """The n most redundant blocks by the analyzer's adjacent-layer continuity (ends protected)."""
