@@ -340,3 +340,14 @@ def test_dropping_blocks_writes_a_shorter_llama_that_evaluates(tiny, tmp_path, c
     assert code == 0, err and math.isfinite(json.loads(stdout)["models"][1]["ppl"])
     code, _, err = _share(capsys, tiny, tmp_path / "x", "--method", method, "--rank", "4")
     assert code == 2 and "drops whole blocks" in err
+
+
+def test_a_config_that_disagrees_with_a_later_layer_is_refused_before_any_work(tiny, tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(tiny / "model.safetensors"))
+    key = "model.layers.3.mlp.up_proj.weight"
+    state[key] = state[key][:40]  # layer 3 only: layer 0 still matches the config
+    save_file(state, str(tiny / "model.safetensors"))
+    code, _, err = _share(capsys, tiny, tmp_path / "o", "--method", "svd")
+    assert code == 2 and key in err and "config implies [80, 48]" in err and not (tmp_path / "o").exists()

@@ -181,12 +181,12 @@ def run_evaluate(args: argparse.Namespace) -> int:
 
     apply_threads(args.threads)
     device = resolve_device(args.device)
-    if args.out:
-        check_out_file(args.out)  # before any model is loaded
     max_tokens = args.tokens or (None if args.full else QUICK_TOKENS)
     config = EvalConfig(context=args.context, stride=args.stride, max_tokens=max_tokens, batch=args.batch)
     specs = [args.source] + list(args.compare or [])
     paths = [source_path(s) for s in specs]  # every path checked before any model is loaded
+    if args.out:  # before any model is loaded; never over a model folder it reads (nor inside one)
+        check_out_file(args.out, inputs=paths)
     tokenizer = load_tokenizer(paths[0])
     text = load_text(args.text, split="test") if args.text == "kjv" else load_text(args.text)
     ids = torch.from_numpy(cached_ids(text, tokenizer).astype("int64"))
