@@ -87,7 +87,7 @@ def test_sharded_index_folder_is_an_input(tmp_path):
                                                         "builtin:smollm2"])
 
 
-@pytest.mark.parametrize("argv", [["continuity", "evaluate", "m", "--out", "m/model.safetensors"],
+@pytest.mark.parametrize("argv", [["continuity", "evaluate", "other.safetensors", "--out", "m/model.safetensors"],
                                   ["continuity", "analyze", "other.safetensors", "--out", "m/model.safetensors"]])
 def test_a_report_never_replaces_an_existing_checkpoint(model, tmp_path, cli, monkeypatch, argv):
     """Whatever the inputs: ``--out`` onto a file that starts like safetensors/GGUF is refused (evaluate included)."""
@@ -107,3 +107,11 @@ def test_a_gguf_is_recognised_and_a_report_may_be_replaced(tmp_path):
     (tmp_path / "report.json").write_text('{"old": 1}\n')
     check_out_file(tmp_path / "report.json")  # an old report is meant to be replaced
     check_out_file(tmp_path / "w.gguf", "the output")  # internal writers (checkpoint savers) are not reports
+
+
+def test_evaluate_out_inside_the_model_folder_it_reads_is_refused(model, tmp_path, cli, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    before = snapshot(tmp_path)
+    rc, _, err = cli(["continuity", "evaluate", "m", "--out", "m/report.json"])
+    assert rc == 2 and "lies inside the input folder" in err and len(err.strip().splitlines()) == 1
+    assert snapshot(tmp_path) == before
