@@ -337,7 +337,8 @@ def test_dropping_blocks_writes_a_shorter_llama_that_evaluates(tiny, tmp_path, c
     assert report["scope_saved_fraction"] == pytest.approx(report["saved_params"] / report["scope_params"])
     code, stdout, err = _run(capsys, "continuity", "evaluate", str(tiny), "--compare", str(out), "--text",
                              str(tiny.parent / "text.txt"), "--context", "64", "--json")
-    assert code == 0, err and math.isfinite(json.loads(stdout)["models"][1]["ppl"])
+    assert code == 0, err
+    assert math.isfinite(json.loads(stdout)["models"][1]["ppl"])
     code, _, err = _share(capsys, tiny, tmp_path / "x", "--method", method, "--rank", "4")
     assert code == 2 and "drops whole blocks" in err
 

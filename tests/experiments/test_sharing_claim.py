@@ -21,6 +21,7 @@ import torch
 from flowgeom.cli import main
 from flowgeom.continuity import factorize as fz
 from flowgeom.continuity.checkpoint_out import save_llama_folder
+from flowgeom.continuity.compress import layer_groups
 from flowgeom.continuity.compression import SEED_SPACE, weight_key
 from flowgeom.errors import FlowgeomError
 from flowgeom.experiments import sharing
@@ -57,7 +58,7 @@ def planted_state(cfg: LlamaConfig, budget: float, seed: int = 0) -> dict[str, t
         m, n = shapes[weight_key(0, role)]
         space, g = SEED_SPACE.get(role, "input"), 2 if role in SEED_SPACE else 1
         r = fz.rank_for_ratio(m, n, g, budget, space)
-        for idx in fz.layer_groups(cfg.num_hidden_layers, g):
+        for idx in layer_groups(cfg.num_hidden_layers, g):
             basis = torch.linalg.qr(torch.randn(n if space == "input" else m, r, generator=gen))[0]
             for l in idx:
                 c = torch.randn(m if space == "input" else r, r if space == "input" else n, generator=gen)
@@ -137,7 +138,7 @@ def test_pruning_orders_follow_their_papers():
     assert sharing.bi_drop(bi, 2) == [1, 3]  # ShortGPT: the lowest Block Influence
     angular = {2: [0.4, 0.2, 0.1, 0.3]}  # inputs of blocks l and l+2
     assert sharing.angular_drop(angular, 2) == [2, 3]  # Gromov et al.: the most similar span
-    assert sharing.random_drop(6, 2, seed=0) != sharing.random_drop(6, 2, seed=1) or True
+    assert len({tuple(sharing.random_drop(10, 3, seed=s)) for s in range(10)}) > 1  # seeds give different orders
     assert sharing.random_drop(6, 2, seed=3) == sharing.random_drop(6, 2, seed=3)
     assert all(0 < l < 5 for l in sharing.random_drop(6, 3, seed=1))
     assert sharing.drop_count(0.1, 1000, 40, 30) == 2 and sharing.drop_count(0.9, 1000, 40, 4) == 2

@@ -33,14 +33,11 @@ from dataclasses import dataclass, field
 import torch
 
 from flowgeom.continuity import factorize as fz
-from flowgeom.continuity.calibrate import Calibration
+from flowgeom.continuity.calibrate import ROLE_GRAM, Calibration
+from flowgeom.continuity.compress import HF_NAMES, ROLES, SEED_SPACE, layer_groups
 from flowgeom.errors import FlowgeomError, choice_error
 
-HF_NAMES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
-            "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
-ROLES = tuple(HF_NAMES)
 METHODS = ("svd", "whiten", "basis-sharing", "share", "continuity")
-SEED_SPACE = {"q": "input", "k": "input", "gate": "input", "up": "input", "o": "output", "down": "output"}
 BS_SHARED = ("q", "k", "v", "gate", "up")
 PAIR_THRESHOLD = 3.0  # a pair is a sharing candidate when its subspace alignment is 3x chance (the analyzer's rule)  # Basis Sharing's default: these share, o and down stay per layer
 
@@ -172,7 +169,7 @@ def plan(method: str, state: Mapping[str, torch.Tensor], *, n_layers: int, ratio
     elif method == "basis-sharing":
         for role in roles:
             grouped = role in BS_SHARED
-            units += _fixed_units(role, "input", shapes[role], fz.layer_groups(n_layers, group) if grouped else singles,
+            units += _fixed_units(role, "input", shapes[role], layer_groups(n_layers, group) if grouped else singles,
                                   ratio)
     elif method == "share":
         spaces = dict(SEED_SPACE if spaces is None else spaces)
@@ -181,7 +178,7 @@ def plan(method: str, state: Mapping[str, torch.Tensor], *, n_layers: int, ratio
             if space == "none":
                 units += _fixed_units(role, "input", shapes[role], singles, ratio)
             else:
-                units += _fixed_units(role, space, shapes[role], fz.layer_groups(n_layers, group), ratio)
+                units += _fixed_units(role, space, shapes[role], layer_groups(n_layers, group), ratio)
     else:
         if calib is None or continuity is None:
             raise FlowgeomError("the continuity method needs calibration Grams and the analyzer's measurements")
@@ -329,8 +326,6 @@ def compress_sequential(plan_: Plan, model, ids: torch.Tensor, *, refit: bool = 
         for l in layers:
             for i in by_first.get(l, []):
                 unit = plan_.units[i]
-                from flowgeom.continuity.calibrate import ROLE_GRAM
-
                 g = torch.stack([local[x][ROLE_GRAM[unit.role]] for x in unit.layers])
                 f = _unit_factors(unit, state, g, refit)
                 if (note := _shift_note(unit, f)) is not None:

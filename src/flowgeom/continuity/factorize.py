@@ -209,11 +209,3 @@ def rank_for_ratio(m: int, n: int, g: int, ratio: float, space: str = "input") -
         raise FlowgeomError(f"compression ratio {ratio!r} must be a fraction in [0, 1); e.g. 0.2 saves 20%")
     k = math.floor((1 - ratio) * g * m * n / stored_per_rank(m, n, g, space) + 1e-9)
     return min(k, min(m, n))
-
-
-def layer_groups(n_layers: int, group: int) -> list[list[int]]:
-    """``[[0..g-1], [g..2g-1], ...]``, the last group holding the remainder."""
-    if not isinstance(group, int) or not 1 <= group <= n_layers:
-        raise FlowgeomError(f"--group {group} is outside 1..{n_layers}, the number of layers of the model; "
-                            "pass a smaller --group")
-    return [list(range(s, min(s + group, n_layers))) for s in range(0, n_layers, group)]

@@ -64,7 +64,7 @@ class ShareConfig:
             raise FlowgeomError("give exactly one of --budget (fraction saved) and --rank")
         if self.budget is not None and not 0.0 < self.budget < 1.0:
             raise FlowgeomError(f"--budget {self.budget!r} must be a fraction in (0, 1); e.g. 0.2 saves 20%")
-        if self.space is not None and self.method != "share":  # noqa: SIM102
+        if self.space is not None and self.method != "share":
             raise FlowgeomError(f"--space goes with --method share only; --method {self.method} "
                                 + ("chooses spaces itself" if self.method == "continuity" else
                                    "has fixed spaces (input space, per its paper)"))
