@@ -170,8 +170,8 @@ class Shared:
     state: dict[str, torch.Tensor] = field(repr=False)
 
 
-def _make(config: ShareConfig, cfg, state, source: Path, tokenizer, *, progress: Progress | None = None,
-          calib_cache: dict | None = None) -> tuple[C.Compressed, dict[str, Any]]:
+def compress_model(config: ShareConfig, cfg, state, source: Path, tokenizer, *, progress: Progress | None = None,
+                   calib_cache: dict | None = None) -> tuple[C.Compressed, dict[str, Any]]:
     """Plan + factors of one budget (the calibration shared through ``calib_cache`` across a sweep)."""
     from flowgeom.continuity.calibrate import cached_calibration, calibrate, check_rank
     from flowgeom.nn.llama import llama_from_state
@@ -292,7 +292,7 @@ def share_model(source: str, out: Path, config: ShareConfig, *, force: bool = Fa
     if config.method in DROP_METHODS:
         return _share_by_dropping(source, out, config, cfg, state, path, tokenizer, force=force, progress=progress,
                                   t0=t0)
-    compressed, facts = _make(config, cfg, state, path, tokenizer, progress=progress)
+    compressed, facts = compress_model(config, cfg, state, path, tokenizer, progress=progress)
     report = build_report(source, out, config, cfg, state, compressed, facts)
     report["tokenizer"] = None if tokenizer is None else "tokenizer.json"
     if tokenizer is None:

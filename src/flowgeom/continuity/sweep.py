@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from flowgeom.continuity.share import (
-    DROP_METHODS, Progress, ShareConfig, _make, check_weights, drop_blocks, model_tokenizer, source_path,
+    DROP_METHODS, Progress, ShareConfig, check_weights, compress_model, drop_blocks, model_tokenizer, source_path,
 )
 from flowgeom.errors import FlowgeomError
 
@@ -62,7 +62,7 @@ def sweep_budgets(source: str, out: Path, config: ShareConfig, budgets: Sequence
             model, saved, fraction = (llama_from_state(new_cfg, new_state), facts["saved_params"],
                                       facts["scope_saved_fraction"])
         else:
-            compressed, _ = _make(point, cfg, state, path, tokenizer, calib_cache=shared, progress=progress)
+            compressed, _ = compress_model(point, cfg, state, path, tokenizer, calib_cache=shared, progress=progress)
             p = compressed.plan
             model, saved, fraction = (llama_from_state(cfg, compressed.dense_state(state)),
                                       p.dense_params - p.stored_params, p.saved_fraction)

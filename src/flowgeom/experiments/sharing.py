@@ -136,7 +136,7 @@ def run_sharing(config: Mapping[str, Any], folder, *, resume: bool = False) -> d
     from flowgeom.continuity.calibrate import cached_calibration
     from flowgeom.continuity.compress import block_params, drop_layers
     from flowgeom.continuity.lm_eval import EvalConfig, perplexity
-    from flowgeom.continuity.share import _make, calibration_ids, model_tokenizer, role_report, source_path
+    from flowgeom.continuity.share import calibration_ids, compress_model, model_tokenizer, role_report, source_path
     from flowgeom.data.text import load_text
     from flowgeom.data.tokens import cached_ids
     from flowgeom.nn.llama import llama_from_state, llama_state_dict
@@ -172,7 +172,7 @@ def run_sharing(config: Mapping[str, Any], folder, *, resume: bool = False) -> d
         new_state, layers = drop_layers(state, dropped, n_layers=L), L - n
         facts |= {"dropped": dropped, "saved_params": sum(block_params(state, l) for l in dropped)}
     elif strategy != "none":
-        compressed, made = _make(_share_config(config), cfg, state, path, tokenizer)
+        compressed, made = compress_model(_share_config(config), cfg, state, path, tokenizer)
         new_state = compressed.dense_state(state)
         p = compressed.plan
         facts |= {"saved_params": p.dense_params - p.stored_params, "notes": made["notes"],
