@@ -2,6 +2,7 @@
 
 Public areas (each re-exports its API):
 
+- :mod:`flowgeom.io` -- reading checkpoints (safetensors, GGUF, HF folders, ``builtin:`` models);
 - :mod:`flowgeom.nn` -- the architecture zoo (HF-Llama parameter names);
 - :mod:`flowgeom.laws` -- conservation laws: catalogue, check, count, discover;
 - :mod:`flowgeom.continuity` -- cross-layer singular-vector alignment;

@@ -9,12 +9,28 @@ stderr and exit code 2.
 from __future__ import annotations
 
 import math
+import operator
 import os
 from collections.abc import Iterable
 
 
 class FlowgeomError(ValueError):
     """Bad input or an unusable state, with a message fit for the user."""
+
+
+class InputError(FlowgeomError):
+    """A problem whose fix depends on where the user is: an argument in Python, a flag on the CLI.
+
+    ``str(exc)`` names the Python fix (``input_shape=(4, 8)``); the CLI re-raises
+    :meth:`for_cli`, which names the flag (``--input-shape 4,8``) instead.
+    """
+
+    def __init__(self, problem: str, *, python_fix: str, cli_fix: str):
+        super().__init__(f"{problem}; {python_fix}")
+        self.problem, self.cli_fix = problem, cli_fix
+
+    def for_cli(self) -> FlowgeomError:
+        return FlowgeomError(f"{self.problem}; {self.cli_fix}")
 
 
 def shown(text: object) -> str:
@@ -64,4 +80,31 @@ def finite_number(value: object, name: str, *, minimum: float | None = None, pos
         raise FlowgeomError(f"{name} must be {want}, got {type(value).__name__} {shown_value}; {fix}") from None
     if not math.isfinite(number) or (positive and number <= 0) or (minimum is not None and number < minimum):
         raise FlowgeomError(f"{name} is {number!r}; it must be {want} ({fix})")
+    return number
+
+
+def positive_int(value: object, name: str, *, maximum: int | None = None, fix: str = "") -> int:
+    """``value`` as an int ``>= 1`` (and ``<= maximum``), else one :class:`FlowgeomError`.
+
+    The one check for counts (steps, widths, heads, workers, ranks): in library
+    configs and arguments, and on the CLI through the argparse type
+    :func:`flowgeom.cli._common.positive_int` (which passes ``name=""``). One
+    wording everywhere: ``"{name} must be a whole number >= 1, got 0; {fix}"``
+    (``between 1 and {maximum}`` when capped). Python and numpy/torch integers
+    are accepted (``operator.index``); bools, floats (even ``2.0``), strings
+    and ``None`` are refused by name.
+    """
+    bound = ">= 1" if maximum is None else f"between 1 and {maximum}"
+    head = f"{name} must" if name else "must"
+    tail = f"; {fix}" if fix else ""
+    try:
+        if isinstance(value, bool):  # True is an int to Python, never a count
+            raise TypeError
+        number = operator.index(value)  # type: ignore[call-overload]
+    except (TypeError, RuntimeError):  # floats, strings, None, float or multi-element tensors
+        shown_value = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+        raise FlowgeomError(f"{head} be a whole number {bound}, got {type(value).__name__} {shown_value}{tail}") \
+            from None
+    if number < 1 or (maximum is not None and number > maximum):
+        raise FlowgeomError(f"{head} be a whole number {bound}, got {number}{tail}")
     return number

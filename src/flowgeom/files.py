@@ -14,6 +14,8 @@ through :func:`open_regular` or :func:`read_regular`:
   ``fstat``.
 * :func:`read_regular` reads at most ``limit`` bytes and refuses a longer file,
   so a 100 GB "config" is not read into memory.
+* :func:`read_npy` reads a ``.npy`` array (an image, a token cache entry)
+  after checking its header against the file's size and a shape contract.
 
 This module sits below everything (it imports only :mod:`flowgeom.errors`).
 """
@@ -22,8 +24,10 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 from flowgeom.errors import FlowgeomError, shown
@@ -33,6 +37,11 @@ _CHUNK = 2**24  # bytes per read
 MAX_JSON = 64 * 2**20  # bytes of a config/adapter/manifest JSON file (real ones are a few kB)
 _KINDS = {stat.S_IFDIR: "a folder", stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFCHR: "a character device",
           stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket"}
+
+
+def file_kind(mode: int) -> str:
+    """What a non-regular file of ``st_mode`` ``mode`` is, for messages ("a FIFO (named pipe)", "a folder", ...)."""
+    return _KINDS.get(stat.S_IFMT(mode), "not a regular file")
 
 
 def one_line(exc: BaseException) -> str:
@@ -66,7 +75,7 @@ def regular_file(path: Path, what: str, *, folder_ok: bool = False, fix: str = C
         raise FlowgeomError(f"{what} path {shown(path)} is not a valid path ({one_line(exc)})") from None
     if stat.S_ISREG(info.st_mode) or (folder_ok and stat.S_ISDIR(info.st_mode)):
         return info
-    kind = _KINDS.get(stat.S_IFMT(info.st_mode), "not a regular file")
+    kind = file_kind(info.st_mode)
     raise FlowgeomError(f"{what} {shown(path)} is {kind}, not a regular file; it was not opened (reading a FIFO "
                         f"or device can block forever): {fix}")
 
@@ -130,3 +139,42 @@ def read_json_object(path: str | os.PathLike, *, fix: str, what: str | None = No
     if not isinstance(value, dict):
         raise FlowgeomError(f"{what} {shown(path)} holds a JSON {type(value).__name__}, not an object; {fix}")
     return value
+
+
+def read_npy(path: str | os.PathLike, what: str, *, fix: str, limit: int,
+             check: Callable[[tuple[int, ...]], object] | None = None):
+    """The numpy array in ``.npy`` file ``path``, its header checked before the data is read.
+
+    ``np.load`` trusts the header: it allocates ``prod(shape)`` items and only then finds the file short, so
+    a 100-byte file can ask for terabytes. Here the declared dtype must be numeric (an object array is a
+    pickle), the declared bytes must be exactly the bytes that follow the header, the file at most ``limit``
+    bytes, and ``check(shape)`` (a size contract, e.g. :func:`flowgeom.limits.image_shape`) runs first.
+    """
+    import numpy as np
+    from numpy.lib import format as npy
+
+    path = Path(path)
+    with open_regular(path, what, fix=fix) as fh:
+        size = os.fstat(fh.fileno()).st_size
+        if size > limit:
+            raise FlowgeomError(f"{what} {shown(path)} is over {limit} bytes, far larger than such a file can be; "
+                                f"{fix}")
+        try:
+            version = npy.read_magic(fh)
+            header = {(1, 0): npy.read_array_header_1_0, (2, 0): npy.read_array_header_2_0}.get(version)
+            if header is None:
+                raise ValueError(f"unsupported .npy format version {version}")
+            shape, fortran, dtype = header(fh)
+        except (ValueError, SyntaxError, OSError) as exc:
+            raise FlowgeomError(f"{what} {shown(path)} is not a .npy array ({one_line(exc)[:200]}); {fix}") from None
+        if dtype.hasobject:
+            raise FlowgeomError(f"{what} {shown(path)} holds Python objects (dtype {dtype}), which only a pickle can "
+                                f"load; it was refused: {fix}")
+        if check is not None:
+            check(shape)
+        count = math.prod(shape)
+        if count * dtype.itemsize != size - fh.tell():
+            raise FlowgeomError(f"{what} {shown(path)} declares {shape} {dtype} ({count * dtype.itemsize} bytes) but "
+                                f"holds {size - fh.tell()} bytes of data; {fix}")
+        array = np.fromfile(fh, dtype=dtype, count=count)
+    return array.reshape(shape, order="F" if fortran else "C")

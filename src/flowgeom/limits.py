@@ -17,6 +17,7 @@ context) and far below what exhausts memory or hangs a loop.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from flowgeom.errors import FlowgeomError
 
@@ -39,7 +40,8 @@ def _shown(value: object) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def file_int(value: object, name: str, *, where: str, fix: str, limits: tuple[int, int] | None = None) -> int:
+def file_int(value: object, name: str, *, where: str, fix: str, limits: tuple[int, int] | None = None,
+             beyond: str = "no real model is that size") -> int:
     """``value`` of key ``name`` in ``where`` as an int within ``limits`` (default :data:`LIMITS[name]`).
 
     Accepts an int or an integral float (JSON writes ``2.0`` for some
@@ -52,9 +54,34 @@ def file_int(value: object, name: str, *, where: str, fix: str, limits: tuple[in
                             f"{type(value).__name__} {_shown(value)}; {fix}")
     number = int(value)
     if not low <= number <= high:
-        raise FlowgeomError(f"{where} {name} = {_shown(number)} is outside {low}..{high} (no real model is that "
-                            f"size); {fix}")
+        raise FlowgeomError(f"{where} {name} = {_shown(number)} is outside {low}..{high} ({beyond}); {fix}")
     return number
+
+
+# Image sets (MNIST IDX, CIFAR batches, image folders): each declared dimension, and the values of one image,
+# before any array of that shape exists. EMNIST, the largest IDX set, has 0.8M images; photos are ~500 a side,
+# the largest scans ~20k; 4 channels is RGBA.
+IMAGE_LIMITS: dict[str, tuple[int, int]] = {
+    "images": (1, 2**24), "labels": (1, 2**24), "channels": (1, 4), "height": (1, 2**15), "width": (1, 2**15),
+}
+MAX_IMAGE_VALUES = 2**26  # channels x height x width of one image
+
+
+def image_shape(dims: Sequence[object], names: Sequence[str], *, where: str, fix: str) -> tuple[int, ...]:
+    """Declared ``dims`` of an image array, named by ``names`` (keys of :data:`IMAGE_LIMITS`), as checked ints.
+
+    Each dimension must lie in its range, and one image (all but ``images``/``labels``) may hold at most
+    :data:`MAX_IMAGE_VALUES` values: a forged header cannot make flowgeom allocate or loop beyond that.
+    """
+    if len(dims) != len(names):
+        raise FlowgeomError(f"{where} has shape {tuple(dims)}; expected ({', '.join(names)}); {fix}")
+    out = tuple(file_int(v, n, where=where, fix=fix, limits=IMAGE_LIMITS[n], beyond="no real image set is that size")
+                for v, n in zip(dims, names))
+    values = math.prod(d for d, n in zip(out, names) if n not in ("images", "labels"))
+    if values > MAX_IMAGE_VALUES:
+        raise FlowgeomError(f"{where}: one image of shape {out} holds {values} values, over {MAX_IMAGE_VALUES} "
+                            f"(no real image is that large); {fix}")
+    return out
 
 
 def file_float(value: object, name: str, *, where: str, fix: str, positive: bool = True) -> float:

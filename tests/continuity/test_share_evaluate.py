@@ -499,7 +499,7 @@ def test_token_cache_is_reused_and_a_damaged_one_recomputed(tmp_path):
 # ---------------------------------------------------------------- SmolLM2 (the real model)
 
 def _smollm2_path():
-    from flowgeom.continuity.sources import builtin_path
+    from flowgeom.io import builtin_path
 
     try:
         return builtin_path("builtin:smollm2")

@@ -11,8 +11,8 @@ from synthetic_checkpoints import llama_state, write_gguf
 from safetensors.torch import save_file
 
 from flowgeom.continuity.naming import resolve_roles
-from flowgeom.continuity.sources import open_source
 from flowgeom.errors import FlowgeomError
+from flowgeom.io import open_source
 
 GGUF_NAMES = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output", "gate": "ffn_gate", "up": "ffn_up",
               "down": "ffn_down"}

@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flowgeom.continuity.metrics import abs_cos
-from flowgeom.continuity.sources import open_source
 from flowgeom.continuity.spectra import full_singular_pairs, small_gram, top_singular_pairs
 from flowgeom.errors import FlowgeomError
+from flowgeom.io import open_source
 
 SOLVERS = pytest.mark.parametrize("solver", ["krylov", "dense"])
 

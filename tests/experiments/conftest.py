@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from flowgeom.cli import main
-from flowgeom.experiments import conservation
+from flowgeom.experiments import conservation, conservation_grid
 
 
 @pytest.fixture
@@ -19,7 +19,7 @@ def conserve_run_configs(monkeypatch, tmp_path):
             return {"final": {}}
 
         monkeypatch.setattr(conservation, "run_conservation", record)
-        monkeypatch.setattr(conservation, "plot_grid", lambda rows, path, title: path)
+        monkeypatch.setattr(conservation_grid, "plot_grid", lambda rows, path, title: path)
         assert main(["conserve", "run", *flags, "--regime", "sgd", "--out", str(tmp_path), "--json"]) == 0
         return seen
 

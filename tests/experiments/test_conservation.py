@@ -8,7 +8,8 @@ import pytest
 
 from flowgeom.cli import main
 from flowgeom.errors import FlowgeomError
-from flowgeom.experiments.conservation import ARCHS, ConservationConfig, run_conservation, run_grid
+from flowgeom.experiments.conservation import ARCHS, ConservationConfig, run_conservation
+from flowgeom.experiments.conservation_grid import run_grid
 from flowgeom.runs import RunFolder
 
 TINY = dict(d_model=8, heads=2, d_k=4, d_hidden=8, n_layers=1, seq_len=8, batch=4, corpus_chars=5000, n_train=64,
@@ -29,8 +30,9 @@ def test_run_writes_metrics_summary_and_figure(tmp_path, arch):
     assert (tmp_path / "r" / "figures" / "drift.png").stat().st_size > 1000
 
 
-def test_resume_after_kill_gives_identical_metrics(tmp_path, monkeypatch):
-    monkeypatch.setattr("flowgeom.laws.monitor._warned", False)  # the warning is once per process: whatever ran before
+@pytest.mark.filterwarnings("ignore:flowgeom. conservation laws hold:UserWarning")  # the killed and resumed runs warn too
+def test_resume_after_kill_gives_identical_metrics(tmp_path):
+    # the plain-GD warning is once per monitor: each run warns, whatever ran before in this process
     cfg = ConservationConfig.for_arch("moe-top2-softmax", **TINY, lr=0.1, optimizer="momentum", weight_decay=0.01)
     with pytest.warns(UserWarning, match="plain gradient descent"):
         ref = run_conservation(cfg, tmp_path / "a")
@@ -42,6 +44,27 @@ def test_resume_after_kill_gives_identical_metrics(tmp_path, monkeypatch):
     resumed = run_conservation(cfg, tmp_path / "b", resume=True)
     assert RunFolder(tmp_path / "a").metrics() == killed.metrics()  # exact equality, every key
     assert resumed["final"] == ref["final"] and any(k.startswith("wd/") for k in ref["final"])
+
+
+def test_metrics_records_carry_the_monitors_flags(tmp_path, monkeypatch):
+    """What ConservationMonitor.step adds to every record (zero_baseline, low_precision) reaches metrics.jsonl."""
+    import torch
+
+    from flowgeom.experiments import conservation
+    from flowgeom.laws import monitor
+
+    monkeypatch.setattr(monitor, "ZERO_BASELINE", float("inf"))  # every law counts as zero at θ_0
+    monkeypatch.setitem(conservation.DTYPES, "bfloat16", torch.bfloat16)  # half-precision weights
+    cfg = ConservationConfig.for_arch("mha-rope-swiglu", **TINY, lr=0.05, dtype="bfloat16", weight_decay=0.01)
+    with pytest.warns(Warning):
+        run_conservation(cfg, tmp_path / "r")
+    metrics = RunFolder(tmp_path / "r").metrics()
+    assert [m["step"] for m in metrics] == list(range(0, TINY["steps"] + 1, TINY["log_every"]))
+    names = metrics[0]["zero_baseline"]
+    assert names and all(n.startswith(("eps/", "control/")) for n in names)
+    assert all(m["zero_baseline"] == names and m["low_precision"] == ["bfloat16"] for m in metrics)
+    assert all(any(k.startswith("wd/eps/") for k in m) for m in metrics)  # the weight-decay monitor's ε, prefixed
+    assert not any(k.startswith("wd/") and k[3:] in ("step", "zero_baseline", "low_precision") for k in metrics[0])
 
 
 def test_divergence_stops_at_the_step_and_keeps_metrics(tmp_path):

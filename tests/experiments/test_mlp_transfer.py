@@ -182,7 +182,7 @@ def tiny_report(tmp_path_factory):
     from flowgeom.reproduce.claims_continuity import _mlp_claim
     from flowgeom.reproduce.pipeline import reproduce
 
-    tiny = {"preset": "quick", "seed": 0, "steps": 40, "log_every": 10, "ckpt_every": 40, "train_limit": 512,
+    tiny = {"scale": "quick", "seed": 0, "steps": 40, "log_every": 10, "ckpt_every": 40, "train_limit": 512,
             "test_limit": 256, "width": 32, "depth": 4, "batch": 32}
     grid = ({**tiny, "variant": "Res+ReLU", "lr": 0.03}, {**tiny, "variant": "NoRes"},
             {**tiny, "variant": "Res+ReLU init2"})

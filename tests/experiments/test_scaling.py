@@ -70,7 +70,7 @@ def test_cli_scaling_json(tmp_path, capsys):
 def test_quick_demo_contract(tmp_path, monkeypatch):
     import flowgeom.experiments.scaling as scaling
 
-    monkeypatch.setattr(scaling, "QUICK", dataclasses.replace(TINY, steps=4, decay_steps=8))
+    monkeypatch.setattr(scaling, "PRESETS", {"quick": dataclasses.replace(TINY, steps=4, decay_steps=8)})
     out = quick_demo(tmp_path)
     assert set(out) >= {"tau_slope", "control_slope", "figure", "drift_figure"} and out["tau_slope"]["slope"] > 1.5
     assert Path(out["figure"]).exists() and Path(out["drift_figure"]).exists()

@@ -18,13 +18,14 @@ pytest.importorskip("transformers")
 
 from flowgeom.cli import main  # noqa: E402
 from flowgeom.laws.count import count  # noqa: E402
-from flowgeom.laws.hf_target import _typed, resolve_hf  # noqa: E402
+from flowgeom.laws.hf_target import _typed  # noqa: E402
 from flowgeom.laws.precision import gap_notes, keep_dtype  # noqa: E402
+from flowgeom.laws.target import resolve  # noqa: E402
 
 
 def _count(target, *items, keep_casts=False):
-    t = resolve_hf(target, config_items=list(items), keep_casts=keep_casts)
-    return t, count(t.module, t.sampler)
+    t = resolve(target, hf_config=list(items), keep_casts=keep_casts)
+    return t, count(t.module, t.sampler, expected=t.expected)
 
 
 # Closed forms by hand for the count-sized configs (hidden d = 8, H = 2 heads of d_h = 4, MLP width 6):
@@ -77,7 +78,7 @@ def test_native_float32_casts_are_detected_and_the_count_still_right():
     assert res.laws == 24
     assert any(n.startswith("reduced precision") for n in res.notes)
     # the default float64 tolerance on the same module is fooled: the noise σ lie above it
-    t = resolve_hf("hf:llama:attention", keep_casts=True)
+    t = resolve("hf:llama:attention", keep_casts=True)
     fooled = count(t.module, t.sampler, tol=1e-9)
     assert fooled.laws < 24
     assert any(n.startswith("unclear rank gap") for n in fooled.notes)
@@ -210,9 +211,9 @@ def test_cli_errors_are_one_line(capsys, argv, needle):
 def test_closed_forms_agree_with_the_located_catalogue(target, items):
     """The law families flowgeom.laws.locate finds in the same block add up to the same count."""
     locate = pytest.importorskip("flowgeom.laws.locate").locate
-    t = resolve_hf(target, config_items=list(items))
+    t = resolve(target, hf_config=list(items))
     entry = locate(t.module, warn=False)
-    assert sum(law.count for law in entry.laws) == t.module.expected_laws
+    assert sum(law.count for law in entry.laws) == t.expected
 
 
 def test_curvature_is_not_mistaken_for_rounding_noise():

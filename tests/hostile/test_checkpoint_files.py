@@ -25,11 +25,11 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from flowgeom.continuity import AnalyzeConfig, analyze
-from flowgeom.continuity.checkpoint_files import ITEMSIZE
 from flowgeom.continuity.naming import resolve_roles
-from flowgeom.continuity.sources import open_source
 from flowgeom.continuity.spectra import top_singular_pairs
 from flowgeom.errors import FlowgeomError
+from flowgeom.io import open_source
+from flowgeom.io.checkpoints import ITEMSIZE
 
 HYPO = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 SECRET = b"SECRET-BYTES-never-echo"
@@ -404,7 +404,7 @@ FIFO_SCRIPT = textwrap.dedent("""
     import json, os, sys
     from pathlib import Path
     from flowgeom.cli import main
-    from flowgeom.continuity.sources import open_source
+    from flowgeom.io import open_source
     from flowgeom.errors import FlowgeomError
     root = Path(sys.argv[1])
     (root / "m").mkdir(); (root / "folder").mkdir(); (root / "out").mkdir()

@@ -222,10 +222,7 @@ def test_discover_refuses_a_system_too_big_for_memory(cli, tmp_path, monkeypatch
     The limit is lowered (the real available_memory is replaced by 64 MiB) so that the refusal comes
     before the expensive part at a small D; the arithmetic is the real one.
     """
-    import importlib
-
-    disc = importlib.import_module("flowgeom.laws.discover")  # the module; flowgeom.laws re-exports the function
-    monkeypatch.setattr(disc, "available_memory", lambda device: 64 * 2**20)
+    monkeypatch.setattr("flowgeom.memory.available_memory", lambda device: 64 * 2**20)  # the one memory reader
     path = _write(tmp_path, "sumw", "class M(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
                                     "        self.w = nn.Parameter(torch.randn(60))\n"
                                     "    def forward(self, x):\n        return self.w.sum() * x\n")

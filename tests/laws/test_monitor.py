@@ -1,5 +1,6 @@
 """ConservationMonitor: ε against a direct computation, O(τ²) drift under GD, optimisers, weight decay."""
 
+import math
 import warnings
 
 import pytest
@@ -143,16 +144,34 @@ def test_weight_decay_needs_time():
     assert mon.step(0, time=0.0)["eps/swiglu.up_down"] == 0.0
 
 
-def test_warns_once_and_not_for_plain_sgd(monkeypatch):
-    monkeypatch.setattr(monitor_mod, "_warned", False)
+def test_warns_once_per_monitor_and_not_for_plain_sgd():
     model = _model("swiglu")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         ConservationMonitor(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
         assert not caught
-        ConservationMonitor(model, optimizer=torch.optim.Adam(model.parameters()))
-        ConservationMonitor(model)
+        mon = ConservationMonitor(model, optimizer=torch.optim.Adam(model.parameters()))
+        mon.reset()
+        mon.step(0)
     assert len(caught) == 1 and "plain gradient descent" in str(caught[0].message)
+    # once per monitor, not once per process: whatever ran before, a new monitor warns (no global to reset)
+    with warnings.catch_warnings(record=True) as again:
+        warnings.simplefilter("always")
+        ConservationMonitor(model)
+    assert len(again) == 1 and "plain gradient descent" in str(again[0].message)
+
+
+def test_zero_baseline_is_warned_once_per_monitor_across_resets(monkeypatch):
+    monkeypatch.setattr(monitor_mod, "ZERO_BASELINE", math.inf)  # every law counts as zero at θ_0
+    model = _model("swiglu")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mon = ConservationMonitor(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        mon.reset()
+        mon.reset()
+        other = ConservationMonitor(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    zero = [w for w in caught if "zero at θ_0" in str(w.message)]
+    assert len(zero) == 2 and mon.zero_baseline and other.zero_baseline == mon.zero_baseline
 
 
 def test_every_run_log_and_state(tmp_path):

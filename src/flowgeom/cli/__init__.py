@@ -21,7 +21,7 @@ import traceback
 from collections.abc import Sequence
 
 from flowgeom import __version__
-from flowgeom.cli._common import OneLineParser
+from flowgeom.cli._common import OneLineParser, threads_for
 from flowgeom.errors import FlowgeomError
 
 # (module, area) in the order `flowgeom --help` lists them.
@@ -83,7 +83,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             target = getattr(args, "_area_parser", parser)
             target.print_help()
             return 2
-        return int(args.func(args) or 0)
+        with threads_for(getattr(args, "threads", None)):  # --threads means one thing on every command
+            return int(args.func(args) or 0)
     except FlowgeomError as exc:
         if debug:
             traceback.print_exc()

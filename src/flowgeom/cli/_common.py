@@ -6,9 +6,11 @@ import argparse
 import math
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
+from flowgeom import errors
 from flowgeom.errors import FlowgeomError
 from flowgeom.runs import to_json
 
@@ -59,11 +61,19 @@ def add_scale(parser: argparse.ArgumentParser, helps: dict[str, str], *, default
     parser.set_defaults(scale=default)
 
 
-def add_threads(parser: argparse.ArgumentParser, default: int | None = 1, *, help: str | None = None) -> None:
-    """``--threads N`` with 1 <= N <= the CPUs of this machine (checked when parsed)."""
-    shown = "torch's" if default is None else default
-    parser.add_argument("--threads", type=threads, default=default,
-                        help=help or f"torch CPU threads, 1..{_cpus()} (default {shown})")
+THREADS_HELP = ("CPU threads for torch and BLAS while this command runs, 1..{cpus} (default: torch's own count, "
+                "all cores unless OMP_NUM_THREADS says otherwise)")
+
+
+def add_threads(parser: argparse.ArgumentParser, *, also: str = "") -> None:
+    """``--threads N``, one meaning on every command (applied by :func:`threads_for` around the command).
+
+    Default None: torch's own thread count, untouched. ``N`` (``1 <= N <= CPUs``, checked when parsed):
+    torch and scipy's BLAS use ``N`` threads while the command runs, and what was set before is restored.
+    Every ``--help`` shows :data:`THREADS_HELP`; ``also`` adds what the count changes in this command.
+    """
+    text = THREADS_HELP.format(cpus=_cpus()) + (f"; {also}" if also else "")
+    parser.add_argument("--threads", type=threads, default=None, metavar="N", help=text)
 
 
 def add_device(parser: argparse.ArgumentParser) -> None:
@@ -119,17 +129,25 @@ def console():
     return Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
 
 
-def apply_threads(n: int | None) -> None:
-    """Set the CPU threads of torch and of scipy's BLAS from ``--threads`` (None keeps the defaults)."""
+@contextmanager
+def threads_for(n: int | None) -> Iterator[None]:
+    """The one meaning of ``--threads``: inside the block torch and scipy's BLAS use ``n`` threads, after it
+    whatever was set before; ``None`` (the flag's default) changes nothing. ``cli.main`` wraps every command."""
     if n is None:
+        yield
         return
     if not 1 <= n <= _cpus():
         raise FlowgeomError(f"--threads must be between 1 and {_cpus()} (the CPUs of this machine), got {n}")
     import torch
     from threadpoolctl import threadpool_limits
 
+    before = torch.get_num_threads()
     torch.set_num_threads(n)
-    threadpool_limits(limits=n, user_api="blas")  # process-wide: scipy's bundled OpenBLAS (syrk, gemm, ?sytrd)
+    try:
+        with threadpool_limits(limits=n, user_api="blas"):  # scipy's bundled OpenBLAS (syrk, gemm, ?sytrd)
+            yield
+    finally:
+        torch.set_num_threads(before)
 
 
 # --- argparse types: every flag value checked where it is parsed -------------------------------------------
@@ -176,11 +194,18 @@ def bounded_int(lo: int, hi: int | None = None) -> Callable[[str], int]:
 def positive_int(text: str | None = None, *, maximum: int | None = None):
     """argparse type: a whole number >= 1; ``positive_int(maximum=M)`` returns the type capped at ``M``.
 
-    ``type=positive_int`` and ``type=positive_int(maximum=10**6)`` both work.
+    ``type=positive_int`` and ``type=positive_int(maximum=10**6)`` both work. The check and its wording are
+    :func:`flowgeom.errors.positive_int`'s, the one the library's configs use.
     """
-    if text is None:
-        return bounded_int(1, maximum)
-    return bounded_int(1, maximum)(text)
+
+    def parse(text: str) -> int:
+        try:
+            return errors.positive_int(_as_int(text), "", maximum=maximum)
+        except FlowgeomError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    parse.__name__ = "positive int"
+    return parse if text is None else parse(text)
 
 
 def nonneg_int(text: str) -> int:
@@ -189,12 +214,13 @@ def nonneg_int(text: str) -> int:
 
 
 def boolean(text: str) -> bool:
-    """argparse type: true/false (also yes/no, on/off, 1/0; any case)."""
-    if str(text).strip().lower() in ("1", "true", "yes", "on"):
-        return True
-    if str(text).strip().lower() in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    """argparse type: true/false (also yes/no, on/off, 1/0; any case): :func:`flowgeom.options.boolean`."""
+    from flowgeom.options import boolean as read_boolean
+
+    try:
+        return read_boolean(text)
+    except FlowgeomError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def seed(text: str) -> int:

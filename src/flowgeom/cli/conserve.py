@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from flowgeom.cli._common import (
-    AppendDistinct, add_device, add_json, add_scale, add_seed, add_threads, apply_threads, area, bounded_int, command,
+    AppendDistinct, add_device, add_json, add_scale, add_seed, add_threads, area, bounded_int, command,
     console, nonneg_float, positive_int, print_json, resolve_device, step_size,
 )
 from flowgeom.errors import FlowgeomError
@@ -29,7 +28,7 @@ def _progress(enabled: bool):
 
 @contextmanager
 def _quiet_uncovered():
-    """Hold back the per-run FlowgeomWarnings of uncovered blocks: run_cmd prints them once, after the grid."""
+    """Hold back the FlowgeomWarnings of uncovered blocks: drift_cmd prints them once, after the series."""
     import warnings
 
     from flowgeom.laws.locate import FlowgeomWarning
@@ -39,36 +38,28 @@ def _quiet_uncovered():
         yield
 
 
-def _uncovered(rows: list[dict[str, Any]]) -> list[dict[str, str]]:
-    """The distinct [{block, reason}] of every run (blocks no law covers: not measured)."""
-    seen: dict[tuple[str, str], dict[str, str]] = {}
-    for r in rows:
-        for u in r.get("uncovered", []):
-            seen.setdefault((u["block"], u["reason"]), u)
-    return list(seen.values())
-
-
-def _threads(args: argparse.Namespace) -> None:
-    """Apply --threads and validate --device (one clear error when CUDA is asked for but absent)."""
+def _check_device(args: argparse.Namespace) -> None:
+    """Validate --device before any work (one clear error when CUDA is asked for but absent)."""
     resolve_device(args.device)
-    apply_threads(args.threads)
 
 
-def _run_base(args: argparse.Namespace, preset):
-    """The preset's nested run config with the flags that were given (one flag, one field)."""
-    flags = {"steps": preset.steps if args.steps is None else args.steps, "optimizer": args.optimizer,
-             "weight_decay": args.weight_decay, "schedule": args.schedule, "device": args.device, "dtype": args.dtype,
-             "patch": args.patch}
-    if args.batch is not None:
-        flags["batch"] = args.batch
-    return preset.model.replace(**flags)
+def _run_changes(args: argparse.Namespace) -> dict[str, Any]:
+    """The run-config fields the flags set (one flag, one field); the rest is the preset's."""
+    changes = {"optimizer": args.optimizer, "weight_decay": args.weight_decay, "schedule": args.schedule,
+               "device": args.device, "dtype": args.dtype, "patch": args.patch}
+    for name in ("steps", "batch"):
+        if getattr(args, name) is not None:
+            changes[name] = getattr(args, name)
+    return changes
 
 
 def run_cmd(args: argparse.Namespace) -> int:
-    from flowgeom.experiments.conservation import ARCHS, PRESETS, plot_grid, run_grid
+    from flowgeom.experiments.conservation import ARCHS, PRESETS
+    from flowgeom.experiments.conservation_grid import run_drift_grid
+    from flowgeom.experiments.presets import preset as resolve
 
-    _threads(args)
-    preset = PRESETS[args.scale]
+    _check_device(args)
+    preset = resolve(PRESETS, args.scale)
     if args.arch == ["help"]:  # what the --arch help text promises: the list, then exit 0
         for name, spec in ARCHS.items():
             print(f"{name:24s} {spec['task']:4s} " + ", ".join(f"{k}={v}" for k, v in spec.items() if k != "task"))
@@ -77,40 +68,23 @@ def run_cmd(args: argparse.Namespace) -> int:
     unknown = [a for a in archs if a not in ARCHS]
     if unknown:
         raise FlowgeomError(f"unknown --arch {unknown[0]!r}; choose from {', '.join(ARCHS)}")
-    lrs = args.lr or list(preset.lrs)
     seeds = [args.seed + i for i in range(preset.seeds if args.seeds is None else args.seeds)]
     if seeds[-1] >= 2**63:
         raise FlowgeomError(f"--seed {args.seed} with --seeds {len(seeds)} reaches seed {seeds[-1]} >= 2**63; "
                             "lower --seed")
-    regimes = [args.regime] if args.regime != "both" else list(preset.regimes)
-    base = _run_base(args, preset)
-    out = Path(args.out)
-    rows = []
-    with _progress(not args.json) as say, _quiet_uncovered():
-        for regime in regimes:
-            for arch in archs:
-                data = args.images if ARCHS[arch]["task"] == "vit" else args.text
-                cfg = base.replace(full_batch=regime == "gd", data=data or "default")
-                for row in run_grid(cfg, out / regime, archs=[arch], lrs=lrs, seeds=seeds, resume=args.resume,
-                                    progress=lambda m, r=regime: say(f"{r} {m}")):
-                    rows.append({"regime": regime, **row})
-    figures = {}
-    for regime in regimes:
-        sel = [r for r in rows if r["regime"] == regime]
-        figures[regime] = str(plot_grid(sel, out / "figures" / f"drift_{regime}.png",
-                                        title=f"{'full-batch GD' if regime == 'gd' else 'mini-batch SGD'}, {base.optimizer}"))
-    uncovered = _uncovered(rows)
-    verdict = _run_verdicts(rows, base)
-    payload = {"out": str(out), "config": dataclasses.asdict(base), "runs": rows, "figures": figures,
-               "uncovered": uncovered, "verdict": verdict}
+    with _progress(not args.json) as say:
+        result = run_drift_grid(preset, args.out, archs=archs, lrs=args.lr, seeds=seeds,
+                                regimes=None if args.regime == "both" else [args.regime], text=args.text,
+                                images=args.images, resume=args.resume, progress=say, **_run_changes(args))
+    rows, uncovered = result["runs"], result["uncovered"]
     if uncovered:  # once for the whole grid
         print("flowgeom: warning: not covered by any law, not measured: "
               + "; ".join(f"{u['block'] or '<model>'} ({u['reason']})" for u in uncovered), file=sys.stderr)
     if args.json:
-        print_json(payload)
+        print_json(result)
     else:
-        _print_runs(rows, figures)
-        console().print(verdict["line"], soft_wrap=True)
+        _print_runs(rows, result["figures"])
+        console().print(result["verdict"]["line"], soft_wrap=True)
     diverged = [r for r in rows if r.get("diverged")]
     if diverged:
         raise FlowgeomError(f"{len(diverged)} of {len(rows)} runs diverged (kept, flagged in the table); first: "
@@ -118,25 +92,10 @@ def run_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_verdicts(rows: list[dict[str, Any]], base) -> dict[str, Any]:
-    """Held / broken per law family at each run's last step, and one line with the optimiser's expected behaviour."""
-    from flowgeom.laws.verdict import family_verdicts, info_of_kind, summary_line
-
-    kind = {"sgd": "sgd+wd" if base.weight_decay else "sgd", "momentum": "momentum", "adam": "adam"}[base.optimizer]
-    info = info_of_kind(kind, lr=None)
-    verdicts = []
-    for r in rows:
-        if not r.get("diverged"):
-            r["verdicts"] = [v.as_dict() for v in family_verdicts(r)]
-            verdicts += family_verdicts(r)
-    line = summary_line(verdicts, info).replace("flowgeom: ", f"flowgeom: {len(rows)} run(s), per run and family: ", 1)
-    return {"optimizer": info.as_dict(), "line": line}
-
-
 def _print_runs(rows: list[dict[str, Any]], figures: dict[str, str]) -> None:
     from rich.table import Table
 
-    from flowgeom.experiments.conservation import _mean
+    from flowgeom.experiments.conservation_grid import mean_of
 
     table = Table(title="conservation drift ε at the last step (mean over families)")
     for col in ("regime", "arch", "lr", "seed", "loss", "ε laws", "worst law family", "ε controls", "ε refuted",
@@ -148,9 +107,9 @@ def _print_runs(rows: list[dict[str, Any]], figures: dict[str, str]) -> None:
             continue
         fam = {k: v for k, v in r.items() if k.startswith("eps/")}
         worst = max(fam, key=fam.get)
-        refuted = _mean(r, "refuted")
+        refuted = mean_of(r, "refuted")
         table.add_row(r["regime"], r["arch"], f"{r['lr']:g}", str(r["seed"]), f"{r['loss']:.3f}",
-                      f"{_mean(r, 'eps'):.2e}", f"{worst[4:]} {fam[worst]:.2e}", f"{_mean(r, 'control'):.2e}",
+                      f"{mean_of(r, 'eps'):.2e}", f"{worst[4:]} {fam[worst]:.2e}", f"{mean_of(r, 'control'):.2e}",
                       "" if refuted != refuted else f"{refuted:.2e}",
                       f"{sum(v['verdict'] == 'held' for v in r['verdicts'])}/{len(r['verdicts'])}")
     con = console()
@@ -160,10 +119,10 @@ def _print_runs(rows: list[dict[str, Any]], figures: dict[str, str]) -> None:
 
 
 def scaling_cmd(args: argparse.Namespace) -> int:
-    from flowgeom.experiments.scaling import FULL, QUICK, run_scaling
+    from flowgeom.experiments.presets import preset as resolve
+    from flowgeom.experiments.scaling import PRESETS, run_scaling
 
-    _threads(args)
-    cfg = FULL if args.scale == "full" else QUICK
+    _check_device(args)
     changes: dict[str, Any] = {"seed": args.seed, "device": args.device}
     if args.arch:
         changes["archs"] = tuple(args.arch)
@@ -175,7 +134,7 @@ def scaling_cmd(args: argparse.Namespace) -> int:
         changes["data"] = args.text
     if args.decay_steps is not None:
         changes["decay_steps"] = args.decay_steps
-    cfg = dataclasses.replace(cfg, **changes)
+    cfg = resolve(PRESETS, args.scale, **changes)
     with _progress(not args.json) as say:
         result = run_scaling(cfg, args.out, resume=args.resume, progress=say)
     if args.json:
@@ -218,7 +177,7 @@ def _print_scaling(result: dict[str, Any]) -> None:
 def drift_cmd(args: argparse.Namespace) -> int:
     from flowgeom.integrations.checkpoints import checkpoint_drift
 
-    _threads(args)
+    _check_device(args)
     with _progress(not args.json) as say, _quiet_uncovered():
         result = checkpoint_drift(args.checkpoints, config=args.config, optimizer_kind=args.optimizer,
                                   threshold=args.threshold, figure=args.figure, heads=args.heads,
@@ -269,21 +228,24 @@ def _threshold(text: str) -> float:
     return value
 
 
-SCALE_HELP = {"quick": "laptop-scale defaults (< 3 min on 2 cores)",
+SCALE_HELP = {"quick": "laptop-scale defaults (about a minute on 2 cores)",
               "cpu": "the quick models trained 20x longer, SGD only (~1 min a run on one core)",
               "full": "paper-scale configuration (GPU / cluster; give dataset paths)"}
+SCALING_HELP = {"quick": "laptop-scale defaults (under a minute on 2 cores)",
+                "cpu": "the same as --quick: short runs already resolve the slopes",
+                "full": "every LM architecture, 7 step sizes, a 4-layer 128-wide model (GPU)"}
 
 
 def _common(p: argparse.ArgumentParser, default_out: str, *, steps_type=positive_int(maximum=10**9),
-            scales: tuple[str, ...] = ("quick", "cpu", "full")) -> None:
-    add_scale(p, {name: SCALE_HELP[name] for name in scales})
+            scale_help: dict[str, str] = SCALE_HELP) -> None:
+    add_scale(p, scale_help)
     p.add_argument("--out", default=default_out, help=f"output folder (default {default_out})")
     p.add_argument("--resume", action="store_true", help="continue killed runs from their checkpoints; skip finished ones")
     add_seed(p, help="first random seed, 0 <= seed < 2**63 (default 0)")
     p.add_argument("--steps", type=steps_type, default=None, help="training steps per run (default: preset)")
     p.add_argument("--arch", action=AppendDistinct, help="architecture (repeatable, distinct); see `--arch help`")
     p.add_argument("--text", default=None, help="LM corpus: a text file or a WikiText-103/PTB folder (default: KJV)")
-    add_threads(p, help="torch CPU threads, 1..CPUs (default 1: fastest for these small models)")
+    add_threads(p, also="these small models usually run fastest with --threads 1")
     add_device(p)
     add_json(p)
 
@@ -317,7 +279,7 @@ def register(sub) -> None:
                 example="flowgeom conserve scaling --quick --out runs/scaling\n"
                         "flowgeom conserve scaling --arch moe-dense-sigmoid --tau 0.04 --tau 0.02 --tau 0.01 --json",
                 func=scaling_cmd)
-    _common(p, "runs/scaling", steps_type=bounded_int(3, 10**9), scales=("quick", "full"))
+    _common(p, "runs/scaling", steps_type=bounded_int(3, 10**9), scale_help=SCALING_HELP)
     p.add_argument("--tau", type=step_size, action=AppendDistinct,
                    help="step size τ in (0, 1e6] (repeatable, distinct; ≥ 3 values)")
     p.add_argument("--decay-steps", type=bounded_int(4, 10**9), default=None,
@@ -343,6 +305,6 @@ def register(sub) -> None:
     p.add_argument("--heads", type=positive_int, default=None, help="attention heads, when the model does not say")
     p.add_argument("--positions", choices=("none", "sinusoidal", "rope"), default=None,
                    help="attention positions, when the model does not say")
-    add_threads(p, help="torch CPU threads, 1..CPUs (default 1)")
+    add_threads(p, also="these small models usually run fastest with --threads 1")
     add_device(p)
     add_json(p)

@@ -8,14 +8,12 @@ Verbs are added by small ``add_<verb>(verbs)`` functions called from
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import threading
 from pathlib import Path
 
-from flowgeom.cli._common import add_device, add_json, apply_threads, add_seed, area, command, console, print_json, resolve_device
+from flowgeom.cli._common import add_device, add_json, add_seed, add_threads, area, command, console, print_json, resolve_device
 from flowgeom.cli._common import positive_float, positive_int
-from flowgeom.cli._common import threads as threads_type
 from flowgeom.errors import FlowgeomError
 
 TABLE_METRICS = (("v1", "v1"), ("u1", "u1"), ("subspace_in", "sub in"), ("subspace_out", "sub out"),
@@ -133,12 +131,13 @@ def inventory_lines(report: dict) -> list[str]:
 
 
 def run_analyze(args: argparse.Namespace) -> int:
+    import torch
+
     from flowgeom.continuity import AnalyzeConfig, analyze
     from flowgeom.continuity.figure import figure_format, heatmap_bytes
     from flowgeom.continuity.naming import parse_role_option
     from flowgeom.runs import atomic_write_bytes, atomic_write_json, check_out_file
 
-    apply_threads(args.threads)
     device = resolve_device(args.device)
     fmt = figure_format(args.figure) if args.figure else None
     for flag, path in (("--out", args.out), ("--figure", args.figure)):  # before minutes of analysis, not after
@@ -150,7 +149,7 @@ def run_analyze(args: argparse.Namespace) -> int:
         max_layers=args.max_layers, device=str(device), dtype=args.dtype, baseline=args.baseline,
         draws=args.draws, seed=args.seed, batch=args.batch, threshold=args.threshold, solver=args.solver,
         gram=not args.no_gram, heads=args.heads, kv_heads=args.kv_heads, merge_lora=args.merge_lora,
-        lora_adapter=args.lora_adapter, spectra=args.spectra, workers=args.threads or os.cpu_count() or 1,
+        lora_adapter=args.lora_adapter, spectra=args.spectra, workers=args.threads or torch.get_num_threads(),
     )
     bar, update = _progress(not args.json)
     if bar is not None:
@@ -163,9 +162,9 @@ def run_analyze(args: argparse.Namespace) -> int:
     # Everything validated and computed: only now write outputs (atomically).
     figure = heatmap_bytes(report, fmt=fmt) if fmt else None
     if args.out:
-        atomic_write_json(Path(args.out), report)
+        atomic_write_json(Path(args.out), report, inputs=[args.source])
     if figure is not None:
-        atomic_write_bytes(Path(args.figure), figure)
+        atomic_write_bytes(Path(args.figure), figure, inputs=[args.source], what="the figure")
     if args.json:
         print_json(report)
     else:
@@ -217,10 +216,8 @@ def add_analyze(verbs) -> None:
                    help="random-matrix baseline: closed form (default) or Gaussian draws of the same shapes")
     p.add_argument("--draws", type=positive_int(maximum=100_000), default=8, help="Monte-Carlo draws (default 8)")
     p.add_argument("--batch", type=positive_int, default=1, help="layers stacked per batched call (default 1 = least memory)")
-    p.add_argument("--threads", type=threads_type,
-                   help="CPU threads (default: all cores): roles are analysed in parallel, one BLAS thread each "
-                        "(a single role gets them all in BLAS); the report is the same for any value, memory grows "
-                        "with it")
+    add_threads(p, also="N roles are analysed at once, one BLAS thread each (a single role gets them all in BLAS); "
+                        "the report is the same for any N, memory grows with it")
     p.add_argument("--threshold", type=positive_float, default=3.0, help="ratio to baseline that counts as continuous (default 3)")
 
 

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from flowgeom.cli._common import (
-    add_device, add_json, add_threads, apply_threads, bounded_int, command, comma_list, console, finite_float,
+    add_device, add_json, add_threads, bounded_int, command, comma_list, console, finite_float,
     positive_int, print_json, resolve_device,
 )
 from flowgeom.errors import FlowgeomError
@@ -87,7 +87,6 @@ def run_share(args: argparse.Namespace) -> int:
 
     from flowgeom.continuity.share import share_model
 
-    apply_threads(args.threads)
     if args.sweep and (args.rank is not None or args.budget is not None or args.dense):
         raise FlowgeomError("--sweep takes its budgets itself: drop --budget/--rank/--dense (or drop --sweep)")
     config = _share_config(args)  # every option checked before any work
@@ -179,7 +178,6 @@ def run_evaluate(args: argparse.Namespace) -> int:
     from flowgeom.continuity.share import source_path
     from flowgeom.runs import check_out_file
 
-    apply_threads(args.threads)
     device = resolve_device(args.device)
     max_tokens = args.tokens or (None if args.full else QUICK_TOKENS)
     config = EvalConfig(context=args.context, stride=args.stride, max_tokens=max_tokens, batch=args.batch)
@@ -229,7 +227,7 @@ def run_evaluate(args: argparse.Namespace) -> int:
     if args.out:
         from flowgeom.runs import atomic_write_json
 
-        atomic_write_json(Path(args.out), result)
+        atomic_write_json(Path(args.out), result, inputs=paths)
     if args.json:
         print_json(result)
     else:
@@ -307,7 +305,7 @@ def register_verbs(verbs) -> None:
                         "(default float32)")
     p.add_argument("--no-cache", action="store_true", help="measure the calibration Grams again (not from the cache)")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out folder")
-    add_threads(p, default=None)
+    add_threads(p)
     add_json(p)
 
     p = command(verbs, "evaluate", help="perplexity of Llama checkpoints on the held-out KJV text",
@@ -326,6 +324,5 @@ def register_verbs(verbs) -> None:
     p.add_argument("--text", default="kjv", help="kjv (held-out split: last 5%% of verses, default) or a text file")
     p.add_argument("--out", metavar="FILE", help="also write the JSON result to FILE (atomically)")
     add_device(p)
-    add_threads(p, default=1, help="torch CPU threads (default 1: on a shared, loaded machine 2 threads made share "
-                                   "15x slower; try 2 on an idle one)")
+    add_threads(p, also="on a shared, loaded machine --threads 1 can be many times faster")
     add_json(p)

@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 
 from flowgeom.cli._common import (
-    add_device, add_json, add_scale, add_seed, add_threads, apply_threads, command, console, figure_path, positive_float,
+    add_device, add_json, add_scale, add_seed, add_threads, command, console, figure_path, positive_float,
     positive_int, print_json, resolve_device, step_size,
 )
 from flowgeom.cli._common import boolean
@@ -34,21 +34,13 @@ def _parse_sets(items: list[str] | None, config_cls: type) -> dict:
     import dataclasses
     import typing
 
+    from flowgeom.options import key_values
+
     hints = typing.get_type_hints(config_cls)
-    known = [f.name for f in dataclasses.fields(config_cls)]
-    out = {}
-    for item in items or []:
-        key, sep, value = item.partition("=")
-        key = key.strip().replace("-", "_")
-        if not sep or not key:
-            raise FlowgeomError(f"--set expects KEY=VALUE, got {item!r} (e.g. --set width=64)")
-        if key not in hints:
-            what = config_cls.__name__.removesuffix("RunConfig") + " run option"  # "MLP run option"
-            raise FlowgeomError(f"--set {key}: unknown {what} {key!r}; valid: {', '.join(known)}")
-        if key in out:
-            raise FlowgeomError(f"--set {key} given twice; give each field once")
-        out[key] = _typed_value(key, value.strip(), hints[key])
-    return out
+    what = config_cls.__name__.removesuffix("RunConfig") + " run option"  # "MLP run option"
+    pairs = key_values(items, flag="--set", example="--set width=64", what=what,
+                       known=[f.name for f in dataclasses.fields(config_cls)])
+    return {key: _typed_value(key, text, hints[key]) for key, text in pairs.items()}
 
 
 def _typed_value(key: str, text: str, hint):
@@ -111,7 +103,7 @@ def _common_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=step_size, help="learning rate in (0, 1e6] (default: the preset's)")
     p.add_argument("--optimizer", choices=("sgd", "adam", "adam_b2_0"), help="optimiser (default adam)")
     p.add_argument("--log-every", dest="log_every", type=positive_int, help="measure continuity every N >= 1 steps")
-    add_threads(p, default=None)
+    add_threads(p)
     p.add_argument("--set", dest="sets", action="append", metavar="KEY=VALUE",
                    help="any other config field, e.g. --set width=64 --set train_limit=5000 (repeatable)")
     add_seed(p)
@@ -120,7 +112,6 @@ def _common_run_options(p: argparse.ArgumentParser) -> None:
 
 
 def train(args: argparse.Namespace) -> int:
-    apply_threads(args.threads)
     resolve_device(args.device)
     opts = {**_overrides(args, ("steps", "lr", "optimizer", "log_every")), "seed": args.seed, "device": args.device}
     if args.model == "mlp":
@@ -171,7 +162,6 @@ def format_pattern(pattern: dict) -> str:
 def ablate(args: argparse.Namespace) -> int:
     from flowgeom.experiments.continuity_mlp import CORE, VARIANTS, ablation_figure, format_ablation, run_ablation
 
-    apply_threads(args.threads)
     resolve_device(args.device)
     if args.variants == "core":
         variants = CORE
@@ -191,7 +181,7 @@ def ablate(args: argparse.Namespace) -> int:
     figure = ablation_figure(args.out, variants, args.figure or Path(args.out) / "ablation.png")
     from flowgeom.runs import atomic_write_json
 
-    atomic_write_json(Path(args.out) / "ablation.json", {"rows": rows, "figure": str(figure)})
+    atomic_write_json(Path(args.out) / "ablation.json", {"rows": rows, "figure": str(figure)}, root=args.out)
     if args.json:
         print_json({"rows": rows, "figure": str(figure)})
     else:

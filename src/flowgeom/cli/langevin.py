@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import asdict, replace
+from dataclasses import asdict
 
 from flowgeom.cli._common import (
-    add_device, add_json, add_scale, add_seed, add_threads, apply_threads, area, bounded_int, comma_list, command,
+    add_device, add_json, add_scale, add_seed, add_threads, area, bounded_int, comma_list, command,
     console, figure_path, finite_float, nonneg_float, nonneg_int, positive_float, positive_int, print_json,
     resolve_device, step_size,
 )
@@ -18,7 +18,6 @@ REGS = ("none", "log", "power", "frobenius")
 def run_villani(args: argparse.Namespace) -> int:
     from flowgeom.langevin import Regularizer, objective, plot, probe
 
-    apply_threads(args.threads)
     obj = objective(args.loss, seed=args.seed)
     if args.reg != "none":
         obj = obj.with_regularizer(Regularizer(args.reg, lam=args.lam, eps=args.eps))
@@ -26,7 +25,7 @@ def run_villani(args: argparse.Namespace) -> int:
     report = probe(obj, temperature=args.temperature, rays=args.rays, r_max=args.r_max, points=args.points,
                    exact_max_dim=args.exact_max_dim, probes=args.probes, seed=args.seed)
     if args.figure:
-        _write_figure(plot, report, args.figure)
+        plot(report, args.figure)  # atomic; an OS refusal (disk full, permissions) is one error line
     if args.json:
         print_json(asdict(report))
         return 0
@@ -49,48 +48,28 @@ def run_villani(args: argparse.Namespace) -> int:
     return 0
 
 
-def _write_figure(plot, result, path: str) -> None:
-    """``plot(result, path)`` (parent folders created); an OS refusal (disk full, permissions) is one error line."""
-    from flowgeom.errors import FlowgeomError
-
-    from pathlib import Path
-
-    try:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        plot(result, path)
-    except OSError as exc:
-        raise FlowgeomError(f"cannot write the figure {path}: {exc.strerror or exc}; choose another --figure") from exc
-
-
 def _check_probe_memory(dim: int, args: argparse.Namespace) -> None:
     """Refuse a probe that would not fit in memory (the kernel kills it otherwise, with no message)."""
-    import torch
-
-    from flowgeom.errors import FlowgeomError
     from flowgeom.langevin.villani import probe_memory
-    from flowgeom.memory import available_memory
+    from flowgeom.memory import require
 
     need = probe_memory(dim, rays=args.rays, points=args.points, exact=dim <= args.exact_max_dim, probes=args.probes)
-    have = available_memory(torch.device("cpu"))
-    if need > have // 2:
-        raise FlowgeomError(f"the Villani probe with --rays {args.rays} --points {args.points} --probes {args.probes} "
-                            f"needs about {need / 2**30:.1f} GiB, more than half the {have / 2**30:.1f} GiB available; "
-                            "lower --rays (a handful of rays already decides the verdict)")
+    require(need, f"the Villani probe with --rays {args.rays} --points {args.points} --probes {args.probes}",
+            "lower --rays (a handful of rays already decides the verdict)")
 
 
 def run_darcy(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
-    from flowgeom.experiments.darcy import FULL, QUICK, DarcyConfig, run
+    from flowgeom.experiments.darcy import PRESETS, run
+    from flowgeom.experiments.presets import preset
 
-    apply_threads(args.threads)
     device = str(resolve_device(args.device))
-    cfg = FULL if args.scale == "full" else QUICK
     overrides = {k: getattr(args, k) for k in ("data", "steps", "pretrain_steps", "lr", "temperature", "lam", "eps", "seed")
                  if getattr(args, k) is not None}
     if args.regs:
         overrides["regs"] = args.regs
-    cfg = DarcyConfig.from_dict({**asdict(replace(cfg)), **overrides})
+    cfg = preset(PRESETS, args.scale, **overrides)
     with Progress(disable=args.json or not sys.stderr.isatty(), console=None, transient=True) as bar:
         summary = run(cfg, args.out, resume=args.resume, device=device, progress=bar)
     diverged = [reg for reg, arm in summary["arms"].items() if arm.get("status") != "ok"]
@@ -133,13 +112,12 @@ def _raise_diverged(summary: dict, diverged: list[str], out: str) -> None:
 def run_rate_cmd(args: argparse.Namespace) -> int:
     from flowgeom.experiments.langevin_rate import RateConfig, plot_rate, run_rate
 
-    apply_threads(args.threads)
     cfg = RateConfig(loss=args.loss, chains=args.chains, start_radius=args.start_radius, lr=args.lr,
                      temperature=args.temperature, steps=args.steps, regs=args.regs, lam=args.lam,
                      eps=args.eps, seed=args.seed)
     result = run_rate(cfg)
     if args.figure:
-        _write_figure(plot_rate, result, args.figure)
+        plot_rate(result, args.figure)
     if args.json:
         print_json(result)
         return 0
@@ -152,34 +130,6 @@ def run_rate_cmd(args: argparse.Namespace) -> int:
         out.print(f"  {reg:10s} " + " ".join("—" if h is None else f"{h:.3g}" for h in hits)
                   + f"   final E[V0]−L* {result['suboptimality'][reg][-1]:.3g}"
                   + ("" if slope is None else f"   dτ/dlog(1/ε) {slope:.3g}"))
-    return 0
-
-
-def demo(out: str = "runs/demo/langevin") -> int:
-    """The langevin part of ``make demo``: Villani verdicts and a short Darcy norm-growth run (``out``)."""
-    from pathlib import Path
-
-    from flowgeom.experiments.darcy import QUICK, run
-    from flowgeom.langevin import Regularizer, objective, probe
-
-    apply_threads(1)
-    con = console()
-    con.print("[bold]Villani probe[/] (s=1, λ=0.01, ε=0.5): loss + regulariser → verdict")
-    cases = [(name, reg) for name in ("attention", "lora") for reg in ("none", "log", "power")]
-    for name, reg in [*cases, ("norm2", "none"), ("norm1", "none")]:
-        obj = objective(name)
-        if reg != "none":
-            obj = obj.with_regularizer(Regularizer(reg, lam=0.01, eps=0.5))
-        report = probe(obj, rays=2, points=8)
-        integral = report.orbit_integral["verdict"] if report.orbit_integral else "-"
-        con.print(f"  {name:10s} {reg:6s} → {report.verdict:12s} ∫exp(−2V/s) on orbit: {integral}")
-    cfg = replace(QUICK, pretrain_steps=800, steps=1500)
-    summary = run(cfg, Path(out) / "darcy", resume=True)
-    con.print("[bold]Darcy[/] (short run): ‖W_Q‖_F start → end per arm")
-    for reg, arm in summary["arms"].items():
-        con.print(f"  {reg:6s} {arm.get('wq_norm_start', float('nan')):.3f} → {arm.get('wq_norm', float('nan')):.3f}"
-                  f"   test RMSE {arm.get('test_rmse', float('nan')):.4f}")
-    con.print(f"  figure: {Path(out) / 'darcy' / 'figures' / 'darcy_norms.png'}")
     return 0
 
 
@@ -217,6 +167,7 @@ def register(sub) -> None:
                         "flowgeom langevin darcy --quick --out runs/darcy --resume --json",
                 func=run_darcy)
     add_scale(p, {"quick": "quick config (about a minute on one core)",
+                  "cpu": "the same as --full: the whole protocol fits one CPU core",
                   "full": "the full two-phase protocol, bigger model, longer chains (~35 min on one core)"})
     p.add_argument("--out", required=True, help="run folder")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
@@ -229,7 +180,7 @@ def register(sub) -> None:
     p.add_argument("--eps", type=positive_float, help="power regulariser ε > 0")
     p.add_argument("--regs", type=comma_list(REGS, what="arm"),
                    help="comma-separated arms among none,log,power,frobenius (default none,log,power)")
-    add_threads(p, help="torch CPU threads, 1..CPUs (default 1: fastest for this small model)")
+    add_threads(p, also="this small model usually runs fastest with --threads 1")
     add_seed(p, default=None)
     add_device(p)
     add_json(p)

@@ -7,7 +7,7 @@ from typing import Any
 
 from rich.markup import escape
 
-from flowgeom.cli._common import add_json, add_seed, area, bounded_int, command, console, print_json
+from flowgeom.cli._common import add_json, add_seed, area, command, console, positive_int, print_json
 from flowgeom.cli.zoo_options import add_size_options, size_options
 
 
@@ -53,7 +53,6 @@ def check_memory(arch: str, options: dict[str, Any], *, n_fields: int) -> tuple[
             model = cfg.build()
         x = model.sample_input(1, torch.Generator()).to("meta")  # (1, ...) shapes only
         per_sample = forward_bytes(model.double(), x.double() if x.is_floating_point() else x)
-    model.arch_name, model.arch_config = arch, cfg
     entry = catalogue(model)
     components = sum(law.count for law in entry.laws + entry.controls + entry.refuted)
     d = sum(p.numel() for p in model.parameters())
@@ -83,25 +82,20 @@ def saved_bytes(model, x) -> int:
 
 def require_check_memory(arch: str, options: dict[str, Any], *, n_fields: int, max_memory: int | None = None) -> None:
     """FlowgeomError with the estimate, the free memory and the fix when the check would not fit."""
-    import torch
+    from flowgeom.errors import positive_int
+    from flowgeom.memory import require
 
-    from flowgeom.errors import FlowgeomError
-    from flowgeom.memory import available_memory
-
-    if n_fields < 1 or n_fields > MAX_FIELDS:
-        raise FlowgeomError(f"--fields must be between 1 and {MAX_FIELDS:,}, got {n_fields}")
+    positive_int(n_fields, "--fields", maximum=MAX_FIELDS)
     need, d = check_memory(arch, options, n_fields=n_fields)
-    limit = max_memory if max_memory is not None else int(0.8 * available_memory(torch.device("cpu")))
-    if need > limit:
-        raise FlowgeomError(f"checking {arch} (D = {d:,} parameters) with --fields {n_fields:,} needs about "
-                            f"{need / 2**30:.1f} GiB, more than the {limit / 2**30:.1f} GiB available; "
-                            "pass smaller size options or fewer --fields")
+    require(need, f"checking {arch} (D = {d:,} parameters) with --fields {n_fields:,}",
+            "pass smaller size options or fewer --fields", limit=max_memory)
 
 
 def describe(arch: str, options: dict[str, Any], *, seed: int = 0, n_fields: int = 64) -> dict[str, Any]:
     """Catalogue entry of one architecture plus the check's verdict, as plain data."""
     from flowgeom.laws import catalogue, check
     from flowgeom.nn import build
+    from flowgeom.nn.zoo import config
 
     require_check_memory(arch, options, n_fields=n_fields)
     model = build(arch, seed=seed, **options)
@@ -110,7 +104,7 @@ def describe(arch: str, options: dict[str, Any], *, seed: int = 0, n_fields: int
     by_name = {(v.status, v.name): v for v in report.verdicts}
     return {
         "arch": arch,
-        "options": {k: v for k, v in vars(model.arch_config).items()},
+        "options": dict(vars(config(arch, **options))),
         "parameters": sum(p.numel() for p in model.parameters()),
         "laws": [_law_dict(law) for law in entry.laws],
         "count": entry.count,
@@ -201,7 +195,7 @@ def register(sub) -> None:
                 example="flowgeom laws show swiglu --d-hidden 16\nflowgeom laws show mha --heads 2 --d-k 4 --positions rope --json",
                 func=_show)
     p.add_argument("arch", metavar="ARCH", help="one of: " + ", ".join(ARCHITECTURES))
-    p.add_argument("--fields", type=bounded_int(1, MAX_FIELDS), default=64,
+    p.add_argument("--fields", type=positive_int(maximum=MAX_FIELDS), default=64,
                    help=f"random (input, output direction) pairs per point, 1..{MAX_FIELDS:,} (default 64)")
     add_size_options(p)
     add_json(p)

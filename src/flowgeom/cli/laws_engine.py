@@ -12,8 +12,8 @@ from contextlib import contextmanager
 
 from rich.markup import escape
 
-from flowgeom.cli._common import (add_device, add_json, add_seed, bounded_int, command, console, finite_float, print_json,
-                                  resolve_device)
+from flowgeom.cli._common import (add_device, add_json, add_seed, bounded_int, command, console, finite_float,
+                                  positive_int, print_json, resolve_device)
 from flowgeom.cli.zoo_options import add_size_options, size_options
 
 DTYPES = ("float64", "float32")
@@ -110,7 +110,7 @@ def engine_progress(enabled: bool, *, after: float = 2.0):
 @contextmanager
 def cli_input_errors():
     """The engine's input errors name ``input_shape=``; here the fix is the ``--input-shape`` flag."""
-    from flowgeom.laws.count import InputError
+    from flowgeom.errors import InputError
 
     try:
         yield
@@ -128,8 +128,8 @@ def _count(args: argparse.Namespace) -> int:
     target, device, dtype = _resolve(args)
     with cli_input_errors(), engine_progress(not args.json) as progress:
         res = count(target.module, target.sampler, seed=args.seed, dtype=dtype, device=device, max_depth=args.max_depth,
-                    tol=args.tol, progress=progress)
-    hf_config = getattr(target, "config", None)  # hf: targets: the tiny config values used
+                    tol=args.tol, progress=progress, expected=target.expected)
+    hf_config = target.config  # hf: targets: the tiny config values used
     payload = {"target": target.label} | ({"config": hf_config} if hf_config else {}) | res.to_dict()
     if args.json:
         print_json(payload)
@@ -172,7 +172,7 @@ def _discover(args: argparse.Namespace) -> int:
     target, device, dtype = _resolve(args)
     with cli_input_errors(), engine_progress(not args.json) as progress:
         res = discover(target.module, target.sampler, degree=args.degree, seed=args.seed, dtype=dtype, device=device,
-                       max_parameters=args.max_parameters, progress=progress)
+                       max_parameters=args.max_parameters, progress=progress, expected=target.expected)
     if args.json:
         print_json({"target": target.label} | res.to_dict())
         return 0
@@ -264,5 +264,5 @@ def register_verbs(verbs) -> None:
     _common(p)
     p.add_argument("--degree", type=int, default=2, choices=(1, 2), help="largest polynomial degree (default 2)")
     p.add_argument("--latex", action="store_true", help="print the laws as a LaTeX align* environment")
-    p.add_argument("--max-parameters", type=bounded_int(1, MAX_PARAMETERS), default=300,
+    p.add_argument("--max-parameters", type=positive_int(maximum=MAX_PARAMETERS), default=300,
                    help=f"refuse larger D, 1..{MAX_PARAMETERS} (default 300)")

@@ -14,7 +14,8 @@ and the random baselines ``analytic_baselines``, ``monte_carlo_baselines``,
 
 Compression and evaluation (``docs/continuity-sharing.md``)::
 
-    from flowgeom.continuity import llama_state_dict, share_state_dict, share_rank_for_budget, perplexity
+    from flowgeom.continuity import share_state_dict, share_rank_for_budget, perplexity
+    from flowgeom.nn.llama import llama_state_dict
     cfg, state = llama_state_dict("builtin:smollm2")
     new, [res] = share_state_dict(state, {"q": "input"}, n_layers=cfg.num_hidden_layers, group=2, rank=300)
 
@@ -23,9 +24,12 @@ Pure stack functions ``shared_basis``, ``coefficients``, ``reconstruct``, ``shar
 ``share_rank_for_budget``, ``layer_groups``; state-dict level ``check_share``, ``share_state_dict``,
 ``svd_state_dict``, ``drop_layers``, ``block_params``, ``continuity_scores``, ``drop_order``,
 ``random_drop_order``; ``SEED_SPACE``, ``opposite``, ``RoleResult``; perplexity ``EvalConfig``, ``windows``,
-``perplexity``. Loaded on first use (they import more): ``llama_state_dict``, ``llama_from_state``,
-``load_llama`` (:mod:`flowgeom.nn.llama`), ``save_llama_folder`` (:mod:`flowgeom.continuity.checkpoint_out`),
-``load_tokenizer``, ``cached_ids`` (:mod:`flowgeom.data.tokens`).
+``perplexity``. Loaded on first use (they import more): ``save_llama_folder``
+(:mod:`flowgeom.continuity.checkpoint_out`), ``load_tokenizer``, ``cached_ids`` (:mod:`flowgeom.data.tokens`).
+
+Reading checkpoints lives below this package, in :mod:`flowgeom.io` (``open_source``, ``TensorSource`` and
+``BUILTINS`` are re-exported here because :func:`analyze` takes what they describe); the Llama forward and its
+loaders (``load_llama``, ``llama_state_dict``, ``llama_from_state``) live in :mod:`flowgeom.nn.llama`.
 """
 
 from flowgeom.continuity.analyze import AnalyzeConfig, analyze, verdict
@@ -66,13 +70,12 @@ from flowgeom.continuity.metrics import (
     v1_cos,
 )
 from flowgeom.continuity.naming import ROLES, SCHEMES, resolve_roles
-from flowgeom.continuity.sources import BUILTINS, TensorSource, open_source
 from flowgeom.continuity.spectra import SingularPairs, full_singular_pairs, top_singular_pairs
+from flowgeom.io import BUILTINS, TensorSource, open_source
 
-# heavier to use: the Llama forward, the tokenizer cache, the checkpoint writer (imported on first access)
-_LAZY = {"llama_state_dict": "flowgeom.nn.llama", "llama_from_state": "flowgeom.nn.llama",
-         "load_llama": "flowgeom.nn.llama", "save_llama_folder": "flowgeom.continuity.checkpoint_out",
-         "load_tokenizer": "flowgeom.data.tokens", "cached_ids": "flowgeom.data.tokens"}
+# heavier to use: the tokenizer cache, the checkpoint writer (imported on first access)
+_LAZY = {"save_llama_folder": "flowgeom.continuity.checkpoint_out", "load_tokenizer": "flowgeom.data.tokens",
+         "cached_ids": "flowgeom.data.tokens"}
 
 __all__ = [
     "AnalyzeConfig", "analyze", "verdict", "METRICS", "analytic_baselines", "expected_abs_cos",
@@ -90,7 +93,7 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    """The model/tokenizer/checkpoint helpers of :data:`_LAZY`, imported on first use."""
+    """The tokenizer/checkpoint helpers of :data:`_LAZY`, imported on first use."""
     if name in _LAZY:
         import importlib
 

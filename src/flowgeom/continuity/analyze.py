@@ -38,11 +38,11 @@ from flowgeom.continuity.baselines import METRICS, analytic_baselines, monte_car
 from flowgeom.continuity.metrics import gram_fro, gram_numerator, pair_metrics
 from flowgeom.continuity.layouts import NamingHints, hints_for
 from flowgeom.continuity.naming import MatrixRef, resolve_roles
-from flowgeom.continuity.sources import TensorSource, open_source
 from flowgeom.continuity.spectra import (SOLVERS, pairs_and_spectrum_from_gram, pairs_from_gram, small_gram, unit_scale,
                                          unscale_pairs, unscale_values)
-from flowgeom.errors import FlowgeomError, require_choices
-from flowgeom.memory import available_memory
+from flowgeom.errors import FlowgeomError, positive_int, require_choices
+from flowgeom.io import TensorSource, open_source
+from flowgeom.memory import USABLE_FRACTION, budget
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
 BASELINES = ("analytic", "montecarlo")
@@ -73,15 +73,14 @@ class AnalyzeConfig:
 
     def __post_init__(self):
         for name in ("k", "batch", "draws", "workers"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise FlowgeomError(f"--{name} must be a positive integer, got {value!r}")
-        if not self.distances or any(not isinstance(d, int) or d < 1 for d in self.distances):
-            raise FlowgeomError(f"--distance must be positive integers, got {list(self.distances)}")
+            positive_int(getattr(self, name), f"--{name}")
+        if not self.distances:
+            raise FlowgeomError("--distance needs at least one layer distance, e.g. --distance 1")
+        for d in self.distances:
+            positive_int(d, "each --distance")
         for name in ("heads", "kv_heads"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise FlowgeomError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+            if getattr(self, name) is not None:
+                positive_int(getattr(self, name), f"--{name.replace('_', '-')}")
         if self.max_layers is not None and self.max_layers < 2:
             raise FlowgeomError(f"--max-layers must be >= 2 (pairs need two layers), got {self.max_layers}")
         require_choices(self, dtype=DTYPES, solver=SOLVERS, baseline=BASELINES)
@@ -129,16 +128,13 @@ class Analyzer:
         self.source, self.config = source, config
         hints = hints or NamingHints(heads=config.heads, kv_heads=config.kv_heads, merge_lora=config.merge_lora,
                                      lora_adapter=config.lora_adapter)
-        self.layout = resolve_roles(source.shapes, custom=custom, only=config.roles, hints=hints)
+        self.layout = resolve_roles(source.shapes, custom=custom, only=config.roles,
+                                    hints=hints).limited(config.max_layers, source.shapes)
         self.k_of: dict[str, int] = {}  # top-k per role: a router may have fewer rows (experts) than --k
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.dtype]
         self.metrics = METRICS if config.gram else tuple(m for m in METRICS if not m.startswith("gram_"))
         for role, refs in self.layout.roles.items():
-            if config.max_layers and len(refs) > config.max_layers:
-                self._drop(refs[config.max_layers:], f"beyond --max-layers {config.max_layers}")
-                refs = refs[: config.max_layers]
-            self.layout.roles[role] = refs
             m, n = refs[0].shape
             self.k_of[role] = config.k
             if config.k > min(m, n) and (role == "router" or role.endswith(".router")):
@@ -149,15 +145,6 @@ class Analyzer:
             if too_far:  # every distance must give at least one pair: its mean is reported
                 raise FlowgeomError(f"--distance {too_far[0]} leaves no pair among the {len(refs)} layers "
                                     f"of role {role}; use distances below {len(refs)}")
-
-    def _drop(self, refs: list[MatrixRef], reason: str) -> None:
-        """List the tensors of ``refs`` as unmatched with ``reason`` (once each)."""
-        listed = {u["tensor"] for u in self.layout.unmatched}
-        for ref in refs:
-            if ref.tensor not in listed:
-                listed.add(ref.tensor)
-                self.layout.unmatched.append({"tensor": ref.tensor, "shape": list(self.source.shapes[ref.tensor]),
-                                              "reason": reason})
 
     def _load(self, ref: MatrixRef) -> tuple[torch.Tensor, torch.Tensor]:
         """``(A 2^-e, e)`` in the compute dtype: extreme weights (1e25, 1e-30) rescaled exactly (spectra.unit_scale)."""
@@ -267,8 +254,8 @@ class Analyzer:
         }
 
 
-def _workers(analyzer: Analyzer, config: AnalyzeConfig) -> int:
-    """``config.workers``, at most one per role, and no more than half the free memory holds.
+def _workers(analyzer: Analyzer, config: AnalyzeConfig) -> tuple[int, list[str]]:
+    """``config.workers``, at most one per role, and no more than :func:`flowgeom.memory.budget` holds.
 
     Each worker keeps ``batch + max(distances)`` matrices of its role plus about as many again of
     Grams, cross products and solver workspace; a cap is reported as a warning, never silent.
@@ -276,17 +263,16 @@ def _workers(analyzer: Analyzer, config: AnalyzeConfig) -> int:
     roles = analyzer.layout.roles
     workers = min(config.workers, len(roles))
     if workers < 2:
-        return 1
+        return 1, []
     itemsize = torch.empty((), dtype=analyzer.dtype).element_size()
     window = 2 * (config.batch + max(config.distances)) * itemsize * max(
         refs[0].shape[0] * refs[0].shape[1] for refs in roles.values())
-    fits = max(1, available_memory(analyzer.device) // 2 // max(window, 1))
+    fits = max(1, budget(analyzer.device) // max(window, 1))
     if fits < workers:
-        analyzer.layout.warnings.append(
-            f"analysed {fits} role(s) at a time instead of {workers}: each needs ~{window / 2**20:.0f} MiB and half "
-            "the free memory holds only that many (the report does not depend on it)")
-        workers = int(fits)
-    return workers
+        return int(fits), [f"analysed {fits} role(s) at a time instead of {workers}: each needs ~{window / 2**20:.0f} "
+                           f"MiB and {USABLE_FRACTION:.0%} of the free memory holds only that many (the report does "
+                           "not depend on it)"]
+    return workers, []
 
 
 def _role_cost(refs: Sequence[MatrixRef]) -> int:
@@ -373,7 +359,7 @@ def analyze(source, config: AnalyzeConfig | None = None, *, custom_roles: Mappin
         return analyzer.summarise(role, analyzer.run_role(role, tick))
 
     order = list(analyzer.layout.roles)
-    workers = _workers(analyzer, config) if analyzer.device.type == "cpu" else 1
+    workers, warnings = _workers(analyzer, config) if analyzer.device.type == "cpu" else (1, [])
     # CPU: torch glue single-threaded; BLAS threads as the caller set them, or one per worker thread
     with _blas.cpu_threads(1 if workers > 1 else None) if analyzer.device.type == "cpu" else nullcontext():
         if workers == 1:
@@ -386,7 +372,7 @@ def analyze(source, config: AnalyzeConfig | None = None, *, custom_roles: Mappin
     first = config.distances[0]
     single = [role for role, r in roles.items() if sum(p["distance"] == first for p in r["pairs"]) == 1]
     if single:  # a mean ± sd over one pair is one number: say so, loudly
-        analyzer.layout.warnings.append(
+        warnings.append(
             f"{'role' if len(single) == 1 else 'roles'} {', '.join(single)}: one layer pair at distance {first}, so each "
             "mean is that pair's value, its sd (±0.000) means nothing and the verdict rests on one pair; analyse a "
             "checkpoint with more layers")
@@ -398,6 +384,6 @@ def analyze(source, config: AnalyzeConfig | None = None, *, custom_roles: Mappin
         "roles": roles,
         "unmatched": analyzer.layout.unmatched,
         "lora": analyzer.layout.lora,
-        "warnings": analyzer.layout.warnings,
+        "warnings": [*analyzer.layout.warnings, *warnings],
         "seconds": time.perf_counter() - t0,
     }

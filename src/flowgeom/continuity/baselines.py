@@ -30,15 +30,14 @@ import torch
 
 from flowgeom.continuity.metrics import gram_fro, gram_numerator, pair_metrics
 from flowgeom.continuity.spectra import F64, small_gram, top_singular_pairs
-from flowgeom.errors import FlowgeomError
+from flowgeom.errors import FlowgeomError, positive_int
 
 METRICS = ("v1", "u1", "subspace_in", "subspace_out", "index_in", "index_out", "gram_in", "gram_out")
 
 
 def expected_abs_cos(d: int) -> float:
     """``E|<x, y>|`` for independent uniform unit vectors in R^d."""
-    if d < 1:
-        raise FlowgeomError(f"dimension must be >= 1, got {d}")
+    positive_int(d, "dimension")
     return math.exp(math.lgamma(d / 2) - math.lgamma((d + 1) / 2)) / math.sqrt(math.pi)
 
 

@@ -18,7 +18,6 @@ its writer died before the new one took its place.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -101,6 +100,26 @@ def write_folder(out: Path, fill: Callable[[Path], None], *, force: bool) -> Non
         shutil.rmtree(old, ignore_errors=True)
 
 
+def write_model_files(folder: Path, tensors: dict, config_json: dict, *, tokenizer=None, report: dict | None = None,
+                      extra: dict[str, dict] | None = None) -> None:
+    """``model.safetensors``, ``config.json``, ``extra`` JSON files, ``tokenizer.json`` and ``flowgeom_share.json``
+    (the compression report) in ``folder``, each through :func:`flowgeom.runs.atomic_write`.
+
+    The safetensors bytes are built in memory first (``safetensors`` writes only to a path, and the write must
+    go through the one output helper): the peak is twice the tensors.
+    """
+    from safetensors.torch import save
+
+    from flowgeom.runs import atomic_write_bytes, atomic_write_json
+
+    atomic_write_bytes(folder / "model.safetensors", save(tensors, metadata={"format": "pt"}), root=folder)
+    jsons = {"config.json": config_json, **(extra or {}), **({} if report is None else {"flowgeom_share.json": report})}
+    for name, obj in jsons.items():
+        atomic_write_json(folder / name, obj, root=folder)
+    if tokenizer is not None:
+        atomic_write_bytes(folder / "tokenizer.json", tokenizer.to_str(pretty=True).encode(), root=folder)
+
+
 def save_llama_folder(folder: Path, config_json: dict, state: dict, *, tokenizer=None,
                       report: dict | None = None) -> None:
     """HF Llama layout in ``folder``: ``model.safetensors`` (float32, contiguous), ``config.json``,
@@ -108,15 +127,6 @@ def save_llama_folder(folder: Path, config_json: dict, state: dict, *, tokenizer
 
     With tied embeddings ``lm_head.weight`` is not written (HF convention).
     """
-    from safetensors.torch import save_file
-
-    from flowgeom.runs import to_json
-
     tensors = {k: v.float().contiguous() for k, v in state.items()
                if not (k == "lm_head.weight" and config_json.get("tie_word_embeddings"))}
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    (folder / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
-    if tokenizer is not None:
-        tokenizer.save(str(folder / "tokenizer.json"))
-    if report is not None:
-        (folder / "flowgeom_share.json").write_text(to_json(report, indent=2) + "\n")
+    write_model_files(folder, tensors, config_json, tokenizer=tokenizer, report=report)

@@ -26,7 +26,6 @@ weights (``--dense``).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +41,7 @@ FORMAT = "flowgeom-factored"
 VERSION = 1
 JSON_NAME = "flowgeom_factored.json"
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_FIX = "write the factored folder again with `flowgeom continuity share`"
 
 
 class FactoredLinear(nn.Module):
@@ -103,19 +103,11 @@ def factored_tensors(compressed: Compressed, state: Mapping[str, torch.Tensor], 
 def save_factored(folder: Path, config_json: dict, compressed: Compressed, state: Mapping[str, torch.Tensor], *,
                   tokenizer=None, report: dict | None = None, dtype: torch.dtype = torch.float32) -> None:
     """Write the factored folder (module docstring) into ``folder``, tensors in ``dtype``."""
-    from safetensors.torch import save_file
-
-    from flowgeom.runs import to_json
+    from flowgeom.continuity.checkpoint_out import write_model_files
 
     tensors, meta = factored_tensors(compressed, state, tie=bool(config_json.get("tie_word_embeddings")),
                                      dtype=dtype)
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    (folder / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
-    (folder / JSON_NAME).write_text(json.dumps(meta, indent=2) + "\n")
-    if tokenizer is not None:
-        tokenizer.save(str(folder / "tokenizer.json"))
-    if report is not None:
-        (folder / "flowgeom_share.json").write_text(to_json(report, indent=2) + "\n")
+    write_model_files(folder, tensors, config_json, tokenizer=tokenizer, report=report, extra={JSON_NAME: meta})
 
 
 def is_factored(path: str | Path) -> bool:
@@ -168,8 +160,9 @@ def _units(folder: Path, meta: object, n_layers: int) -> list[FactoredUnit]:
 
 def read_factored(folder: str | Path) -> tuple[object, list[FactoredUnit], dict[str, torch.Tensor]]:
     """``(LlamaConfig, units, tensors)`` of a factored folder, every tensor checked against the JSON."""
-    from flowgeom.continuity.checkpoint_files import parse_json, regular_file
-    from flowgeom.continuity.sources import open_source
+    from flowgeom.files import read_regular, regular_file
+    from flowgeom.io.checkpoints import parse_json
+    from flowgeom.io.sources import open_source
     from flowgeom.nn.llama import LlamaConfig
 
     folder = Path(folder)
@@ -177,9 +170,10 @@ def read_factored(folder: str | Path) -> tuple[object, list[FactoredUnit], dict[
         if not (folder / name).exists():
             raise _bad(folder, f"{name} is missing")
         regular_file(folder / name, name)
-    try:
-        cfg = LlamaConfig.from_hf(parse_json((folder / "config.json").read_bytes(), "config.json"))
-        meta = parse_json((folder / JSON_NAME).read_bytes(), JSON_NAME)
+    try:  # read_regular: bounded, and a file swapped for a FIFO after the check cannot block
+        cfg = LlamaConfig.from_hf(parse_json(read_regular(folder / "config.json", "config.json", fix=_FIX),
+                                             "config.json"))
+        meta = parse_json(read_regular(folder / JSON_NAME, JSON_NAME, fix=_FIX), JSON_NAME)
     except FlowgeomError as exc:
         raise FlowgeomError(f"{folder}: {exc}") from None
     units = _units(folder, meta, cfg.num_hidden_layers)
@@ -297,10 +291,11 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32):
 
 def projection_bytes(folder: str | Path) -> tuple[int, int]:
     """``(bytes of the factor tensors on disk, bytes the same projections take dense in float32)``."""
-    from flowgeom.continuity.checkpoint_files import read_safetensors_header
+    from flowgeom.files import read_json_object
+    from flowgeom.io.checkpoints import read_safetensors_header
 
     header = read_safetensors_header(Path(folder) / "model.safetensors")
-    meta = json.loads((Path(folder) / JSON_NAME).read_text())
+    meta = read_json_object(Path(folder) / JSON_NAME, fix=_FIX)
     factored = dense = 0
     for u in meta["units"]:
         for name in [u["basis"], *u["coeffs"]]:

@@ -56,6 +56,7 @@ import torch
 
 from flowgeom.continuity.layouts import LayoutError, NamingHints, Rows, half_rows, lora_scale, qkv_rows, strip_peft
 from flowgeom.errors import FlowgeomError
+from flowgeom.hf.families import FAMILIES, Family, FusedLayout
 
 ROLES = ("q", "k", "v", "o", "gate", "up", "down")
 ATTENTION = ("q", "k", "v", "o")
@@ -89,52 +90,73 @@ class RolePattern:
     experts: bool = False
 
 
-def _llama() -> list[RolePattern]:
-    L = _LAYER
-    pats = [RolePattern(f"expert{{expert}}.{part}", L + rf"block_sparse_moe\.experts\.(?P<expert>\d+)\.{w}\.weight$")
-            for part, w in (("gate", "w1"), ("up", "w3"), ("down", "w2"))]  # Mixtral on disk
-    pats.append(RolePattern("router", L + r"block_sparse_moe\.gate\.weight$"))
-    pats += [RolePattern(f"expert{{expert}}.{part}", L + rf"experts\.(?P<expert>\d+)\.{part}_proj\.weight$")
-             for part in _EXPERT_PARTS]  # Qwen2-MoE / OLMoE on disk
-    gate_up = L + r"experts\.gate_up_proj(?:\.weight)?$"  # transformers 5: (E, 2m, d), rows gate | up
-    pats += [RolePattern("expert{expert}.gate", gate_up, fused=("halves", 0), experts=True),
-             RolePattern("expert{expert}.up", gate_up, fused=("halves", 1), experts=True),
-             RolePattern("expert{expert}.down", L + r"experts\.down_proj(?:\.weight)?$", experts=True)]
-    pats += [RolePattern(f"shared.{part}", L + rf"shared_expert\.{part}_proj\.weight$") for part in _EXPERT_PARTS]
-    pats.append(RolePattern("shared.router", L + r"shared_expert_gate\.weight$"))
-    pats.append(RolePattern("router", L + r"mlp\.gate\.weight$"))
-    qkv, gu = L + r"qkv_proj\.weight$", L + r"gate_up_proj\.weight$"  # Phi-3
-    pats += [RolePattern(r, qkv, fused=("blocked", r)) for r in "qkv"]
-    pats += [RolePattern("gate", gu, fused=("halves", 0)), RolePattern("up", gu, fused=("halves", 1))]
-    names = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj",
-             "gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
-    return pats + [RolePattern(r, L + re.escape(n) + r"\.weight$") for r, n in names.items()]
+def _fused_kind(layout: FusedLayout) -> str:
+    """The row split of :mod:`~flowgeom.continuity.layouts` that reads ``layout`` from names and shapes alone."""
+    if layout.arrangement == "per_head":
+        return "interleaved"
+    if layout.arrangement == "falcon":
+        return "grouped"
+    if "half" in layout.units:
+        return "halves"
+    return "thirds" if layout.axis == 1 else "blocked"  # GPT-2's Conv1D columns are equal q|k|v thirds
 
 
-def _qkv_family(prefix: str, qkv: str, layout: str, o: str) -> list[RolePattern]:
-    fused = prefix + qkv + r"\.weight$"
-    return [RolePattern(r, fused, fused=(layout, r)) for r in "qkv"] + [
-        RolePattern(r, prefix + n + r"\.weight$") for r, n in
-        (("o", o), ("up", r"mlp\.dense_h_to_4h"), ("down", r"mlp\.dense_4h_to_h"))]
+def family_patterns(fam: Family) -> list[RolePattern]:
+    """The naming scheme of one family, derived from its table entry; the most specific names first.
+
+    A family without a layer container (``fam.layers == ""``: Llama-style
+    names) matches the weight's own path after any prefix holding an all-digit
+    layer segment, so the flowgeom zoo and re-wrapped models match too; one
+    with a container matches ``<container>.<L>.<block>.<path>`` exactly (GPT-2's
+    ``attn.c_proj`` and ``mlp.c_proj`` differ only by their block).
+    """
+    layer = _LAYER if not fam.layers else rf"(?:^|\.){re.escape(fam.layers)}\.(?P<layer>\d+)\."
+    transpose = fam.attention == "conv1d"
+
+    def rx(block: str, path: str, *, stack: bool = False) -> str:
+        full = f"{block}.{path}" if fam.layers and block else path
+        parts = [re.escape(bit) for bit in full.split("{e}")]
+        return layer + r"(?P<expert>\d+)".join(parts) + (r"(?:\.weight)?$" if stack else r"\.weight$")
+
+    def role_pats(role: str, block: str, path: str, *, stack: bool = False) -> list[RolePattern]:
+        name = f"{block}.{path}" if block else path
+        fused = next((lay for p, lay in fam.fused.items() if p.endswith(name)), None)
+        r = rx(block, path, stack=stack)
+        if fused is None:
+            return [RolePattern(role, r, transpose, experts=stack)]
+        kind, expert = _fused_kind(fused), "expert{expert}." if stack else ""
+        return [RolePattern(f"{expert}{part}", r, transpose, fused=(kind, i if kind == "halves" else part),
+                            experts=stack) for i, part in enumerate(fused.roles)]
+
+    pats = [RolePattern(f"expert{{expert}}.{part}", rx(fam.mlp_path, path))  # per-expert tensors on disk
+            for part, path in fam.expert_files.items()]
+    pats += [RolePattern(f"shared.{part}", rx(fam.mlp_path, path)) for part, path in fam.shared_weights.items()]
+    mlp = dict(fam.mlp_weights)
+    if fam.mlp == "moe":
+        pats += role_pats("expert{expert}.gate_up", fam.mlp_path, mlp.pop("gate_up"), stack=True)
+        pats += role_pats("expert{expert}.down", fam.mlp_path, mlp.pop("down"), stack=True)
+    for role, path in fam.weights.items():
+        pats += role_pats(role, fam.attention_path, path)
+    for role, path in mlp.items():
+        pats += role_pats(role, fam.mlp_path, path)
+    return pats
 
 
-SCHEMES: dict[str, list[RolePattern]] = {
-    "llama": _llama(),
-    "gguf": [RolePattern(r, rf"^blk\.(?P<layer>\d+)\.{n}\.weight$") for r, n in
-             (("q", "attn_q"), ("k", "attn_k"), ("v", "attn_v"), ("o", "attn_output"),
-              ("gate", "ffn_gate"), ("up", "ffn_up"), ("down", "ffn_down"))],
-    "bert": [RolePattern(r, rf"(?:^|\.)layer\.(?P<layer>\d+)\.{n}\.weight$") for r, n in
-             (("q", r"attention\.self\.query"), ("k", r"attention\.self\.key"), ("v", r"attention\.self\.value"),
-              ("o", r"attention\.output\.dense"), ("up", r"intermediate\.dense"), ("down", r"output\.dense"))],
-    "gpt2": [RolePattern(r, r"(?:^|\.)h\.(?P<layer>\d+)\.attn\.c_attn\.weight$", True, fused=("thirds", r))
-             for r in "qkv"]
-    + [RolePattern(r, rf"(?:^|\.)h\.(?P<layer>\d+)\.{n}\.weight$", True) for r, n in
-       (("o", r"attn\.c_proj"), ("up", r"mlp\.c_fc"), ("down", r"mlp\.c_proj"))],
-    "gpt_neox": _qkv_family(r"(?:^|\.)layers\.(?P<layer>\d+)\.", r"attention\.query_key_value", "interleaved",
-                            r"attention\.dense"),
-    "falcon": _qkv_family(r"(?:^|\.)h\.(?P<layer>\d+)\.", r"self_attention\.query_key_value", "grouped",
-                          r"self_attention\.dense"),
-}
+def _schemes() -> dict[str, list[RolePattern]]:
+    """One scheme per distinct family naming (named by its first family), then llama.cpp's GGUF names."""
+    schemes: dict[str, list[RolePattern]] = {}
+    for name, fam in FAMILIES.items():
+        pats = family_patterns(fam)
+        if pats not in schemes.values():
+            schemes[name] = pats
+    # GGUF is a file format, not a transformers family: llama.cpp's own names
+    schemes["gguf"] = [RolePattern(r, rf"^blk\.(?P<layer>\d+)\.{n}\.weight$") for r, n in
+                       (("q", "attn_q"), ("k", "attn_k"), ("v", "attn_v"), ("o", "attn_output"),
+                        ("gate", "ffn_gate"), ("up", "ffn_up"), ("down", "ffn_down"))]
+    return schemes
+
+
+SCHEMES: dict[str, list[RolePattern]] = _schemes()
 
 
 @dataclass(frozen=True)
@@ -176,7 +198,7 @@ class MatrixRef:
         return t
 
     def load(self, source) -> torch.Tensor:
-        """Read this matrix from a :class:`~flowgeom.continuity.sources.TensorSource`: one tensor (or one expert)."""
+        """Read this matrix from a :class:`~flowgeom.io.sources.TensorSource`: one tensor (or one expert)."""
         t = source.load(self.tensor) if self.expert is None else source.load_part(self.tensor, self.expert)
         if self.lora is not None:
             a, b = source.load(self.lora.a), source.load(self.lora.b)  # (r, in), (out, r)
@@ -200,6 +222,20 @@ class RoleLayout:
     unmatched: list[dict] = field(default_factory=list)
     lora: list[dict] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+
+    def limited(self, max_layers: int | None, shapes: Mapping[str, tuple[int, ...]]) -> RoleLayout:
+        """A new layout keeping each role's first ``max_layers`` layers, the others listed as unmatched (once each)."""
+        if not max_layers or all(len(refs) <= max_layers for refs in self.roles.values()):
+            return self
+        unmatched, listed = list(self.unmatched), {u["tensor"] for u in self.unmatched}
+        for refs in self.roles.values():
+            for ref in refs[max_layers:]:
+                if ref.tensor not in listed:
+                    listed.add(ref.tensor)
+                    unmatched.append({"tensor": ref.tensor, "shape": list(shapes[ref.tensor]),
+                                      "reason": f"beyond --max-layers {max_layers}"})
+        roles = {role: refs[:max_layers] for role, refs in self.roles.items()}
+        return replace(self, roles=roles, unmatched=unmatched)
 
 
 def parse_role_option(text: str) -> tuple[str, str]:
@@ -306,8 +342,9 @@ def _order(role: str, first: Sequence[str]) -> tuple:
 
 
 def _pair_lora(shapes: Mapping[str, tuple[int, ...]], names: Sequence[str], found: Found,
-               hints: NamingHints) -> list[dict]:
-    """One entry per LoRA (module, adapter); with ``hints.merge_lora`` the chosen adapter is merged into ``found``."""
+               hints: NamingHints) -> tuple[list[dict], Found]:
+    """One entry per LoRA (module, adapter), and ``found`` with the chosen adapter merged (``hints.merge_lora``;
+    a new mapping: ``found`` itself is left as it was)."""
     pairs: dict[tuple[str, str], dict[str, str]] = {}
     for name in names:
         hit = _LORA.match(strip_peft(name))
@@ -328,7 +365,7 @@ def _pair_lora(shapes: Mapping[str, tuple[int, ...]], names: Sequence[str], foun
         for layer, refs in by_layer.items():
             for i, ref in enumerate(refs):
                 bases.setdefault(strip_peft(ref.tensor), []).append((role, layer, i))
-    entries = []
+    entries, merged = [], {}
     for (module, adapter), ab in sorted(pairs.items()):
         targets = bases.get(module + ".weight", [])
         entry = {"module": module, "adapter": adapter, "A": ab.get("A"), "B": ab.get("B"),
@@ -359,11 +396,12 @@ def _pair_lora(shapes: Mapping[str, tuple[int, ...]], names: Sequence[str], foun
                                     "the adapter belongs to another model")
             scale = lora_scale(module, adapter, r, hints)
             for role, layer, i in targets:
-                refs = found[role][layer]
-                refs[i] = replace(refs[i], lora=LoraDelta(ab["A"], ab["B"], scale))
+                merged[role, layer, i] = LoraDelta(ab["A"], ab["B"], scale)
             entry.update(merged=True, scale=scale)
         entries.append(entry)
-    return entries
+    return entries, {role: {layer: [replace(ref, lora=merged[role, layer, i]) if (role, layer, i) in merged else ref
+                                    for i, ref in enumerate(refs)] for layer, refs in by_layer.items()}
+                     for role, by_layer in found.items()}
 
 
 def _unmatched_reason(name: str, shape: tuple[int, ...], other: str | None, scheme: str) -> str:
@@ -443,7 +481,7 @@ def resolve_roles(shapes: Mapping[str, tuple[int, ...]], *, custom: Mapping[str,
         by_reason.setdefault(reason, []).append(name)
     warnings += [f"{len(names)} fused tensor(s) not split ({_listing(sorted(names), 3)}): {reason}"
                  for reason, names in by_reason.items()]
-    lora = _pair_lora(shapes, lora_names, found, hints)
+    lora, found = _pair_lora(shapes, lora_names, found, hints)
     excluded: dict[str, str] = {}
     if only:
         missing = [r for r in only if r not in found]

@@ -28,7 +28,7 @@ import torch
 
 from flowgeom.continuity import compression as C
 from flowgeom.continuity.calibrate import DEFAULT_TOKENS
-from flowgeom.errors import FlowgeomError, choice_error
+from flowgeom.errors import FlowgeomError, choice_error, positive_int
 
 SPACE_CHOICES = ("auto", "seed", "opposite", "input", "output")
 DROP_METHODS = ("drop-angular", "drop-bi")  # whole blocks dropped: Gromov et al.'s angular distance, ShortGPT's BI
@@ -78,9 +78,7 @@ class ShareConfig:
             raise FlowgeomError("--refit re-solves shared coefficients; it goes with basis-sharing, share or "
                                 "continuity")
         for name in ("group", "calib_tokens", "seq_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise FlowgeomError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+            positive_int(getattr(self, name), f"--{name.replace('_', '-')}")
         if self.dtype not in STORAGE:
             raise choice_error("dtype", self.dtype, STORAGE)
         if self.dense and self.dtype != "float32":
@@ -349,7 +347,7 @@ def build_report(source, out, config: ShareConfig, cfg, state, compressed: C.Com
 
 def source_path(spec: str) -> Path:
     if spec.startswith("builtin:"):
-        from flowgeom.continuity.sources import builtin_path
+        from flowgeom.io.builtin import builtin_path
 
         return builtin_path(spec)
     path = Path(spec)

@@ -37,7 +37,7 @@ def sweep_budgets(source: str, out: Path, config: ShareConfig, budgets: Sequence
     from flowgeom.continuity.checkpoint_out import check_out_folder, write_folder
     from flowgeom.continuity.lm_eval import EvalConfig, perplexity
     from flowgeom.nn.llama import llama_from_state, llama_state_dict
-    from flowgeom.runs import to_json
+    from flowgeom.runs import atomic_write_json
 
     budgets = sorted(set(budgets))
     path = source_path(source)
@@ -78,7 +78,7 @@ def sweep_budgets(source: str, out: Path, config: ShareConfig, budgets: Sequence
               "seconds": time.perf_counter() - t0}
 
     def fill(tmp: Path) -> None:
-        (tmp / "sweep.json").write_text(to_json(result, indent=2) + "\n")
+        atomic_write_json(tmp / "sweep.json", result, root=tmp)
         sweep_figure(result, tmp / "sweep.png")
 
     write_folder(out, fill, force=force)
@@ -91,6 +91,8 @@ def sweep_figure(result: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from flowgeom.runs import atomic_write_figure
+
     fig, ax = plt.subplots(figsize=(5, 3.4))
     pts = result["points"]
     ax.plot([100 * p["saved_fraction"] for p in pts], [p["ppl"] for p in pts], "o-", label=result["method"])
@@ -101,5 +103,7 @@ def sweep_figure(result: dict[str, Any], path: Path) -> None:
     ax.legend()
     ax.set_title(Path(result["source"]).name, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        atomic_write_figure(path, fig, dpi=120)
+    finally:
+        plt.close(fig)

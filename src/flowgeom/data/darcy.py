@@ -35,7 +35,7 @@ import scipy.sparse
 import scipy.sparse.linalg
 import torch
 
-from flowgeom.errors import FlowgeomError, choice_error
+from flowgeom.errors import FlowgeomError, choice_error, positive_int
 from flowgeom.files import regular_file
 
 A_HIGH, A_LOW = 12.0, 3.0
@@ -138,8 +138,10 @@ def solve(a: np.ndarray) -> np.ndarray:
 def generate(n: int, *, resolution: int = 16, seed: int = 0, oversample: int = 4, alpha: float = 2.0,
              tau: float = 3.0) -> DarcySet:
     """``n`` samples at ``resolution`` (fine grid ``resolution·oversample + 1`` nodes, sub-sampled like the shipped set)."""
-    if n < 1 or resolution < 4 or oversample < 1:
-        raise FlowgeomError(f"need n >= 1, resolution >= 4, oversample >= 1; got {n}, {resolution}, {oversample}")
+    positive_int(n, "n")
+    positive_int(oversample, "oversample")
+    if resolution < 4:
+        raise FlowgeomError(f"need resolution >= 4, got {resolution}")
     rng = np.random.default_rng(seed)
     fine = resolution * oversample + 1
     a_all, u_all = [], []

@@ -27,13 +27,16 @@ import torch
 
 from flowgeom.data.mnist import load_mnist
 from flowgeom.errors import FlowgeomError, choice_error
-from flowgeom.files import read_regular, regular_file
+from flowgeom.files import one_line, read_npy, read_regular, regular_file
+from flowgeom.limits import image_shape
 
 SPLITS = ("train", "test")
 _CIFAR = {"train": tuple(f"data_batch_{i}" for i in range(1, 6)), "test": ("test_batch",)}
 _ARRAYS = (".npy", ".pt")
 _PICTURES = (".png", ".jpg", ".jpeg")
 _MAX_BATCH = 2**30  # bytes; an official batch is 31 MB
+_MAX_IMAGE_FILE = 2**29  # bytes of one image file (MAX_IMAGE_VALUES float64 values)
+_FOLDER_FIX = "pass a folder of regular image files"
 
 
 class _Forbidden(pickle.UnpicklingError):
@@ -60,9 +63,16 @@ _ALLOWED = {("numpy", "ndarray"): np.ndarray, ("numpy", "dtype"): _numeric_dtype
 
 
 def _reconstruct(cls, shape, dtype_code):
-    """numpy's ``_reconstruct``, for ``ndarray`` only (the pickle's own class argument is not trusted)."""
+    """numpy's ``_reconstruct``, for ``ndarray`` only (the pickle's own class argument is not trusted).
+
+    numpy always pickles an empty placeholder here (shape ``(0,)``) and the data in ``__setstate__``, which
+    checks the declared shape against the bytes it is given; a placeholder of any other size would be an
+    allocation of whatever the file asks for, so it is refused.
+    """
     if cls is not np.ndarray:
         raise _Forbidden("it reconstructs an array subclass")
+    if not isinstance(shape, tuple) or shape != (0,):
+        raise _Forbidden(f"it asks numpy for a placeholder array of shape {shape!r} (numpy writes (0,))")
     return np.ndarray.__new__(np.ndarray, shape, dtype_code)
 
 
@@ -129,6 +139,7 @@ def load_cifar10(path: str | Path, split: str = "train", *, limit: int | None = 
         if not isinstance(data, np.ndarray) or data.dtype.kind not in "biuf" or data.ndim != 2 \
                 or data.shape[1] != 3072 or not isinstance(labs, (list, np.ndarray)) or len(labs) != len(data):
             raise FlowgeomError(f"{f} has no (N, 3072) b'data' with N b'labels'; it is not a CIFAR-10 python batch")
+        image_shape((len(data),), ("images",), where=f"CIFAR-10 batch {f}", fix="pass the official CIFAR-10 batches")
         labs = np.asarray(labs)
         if labs.dtype.kind not in "iu" or labs.ndim != 1 or (labs.size and (labs.min() < 0 or labs.max() > 9)):
             raise FlowgeomError(f"{f} has b'labels' that are not class ids 0..9; it is not a CIFAR-10 python batch")
@@ -142,29 +153,79 @@ def load_cifar10(path: str | Path, split: str = "train", *, limit: int | None = 
     return torch.from_numpy(x), torch.from_numpy(y)
 
 
-def _read_one(path: Path) -> np.ndarray:
-    suffix = path.suffix.lower()
-    regular_file(path, "image file", fix="pass a folder of regular image files")
-    if suffix == ".npy":
-        arr = np.load(path)
-    elif suffix == ".pt":
+def _layout(shape: tuple[int, ...]) -> str:
+    """How an image array of ``shape`` is laid out: "HW", "HWC" (last axis 1 or 3, first not) or "CHW"."""
+    if len(shape) == 2:
+        return "HW"
+    return "HWC" if len(shape) == 3 and shape[-1] in (1, 3) and shape[0] not in (1, 3) else "CHW"
+
+
+def _check_image(path: Path, shape: tuple[int, ...]) -> None:
+    """One image's declared shape against :data:`flowgeom.limits.IMAGE_LIMITS` (before its pixels are read)."""
+    shape, layout = tuple(shape), _layout(tuple(shape))
+    chw = (1, *shape) if layout == "HW" else (shape[2], shape[0], shape[1]) if layout == "HWC" else shape
+    image_shape(chw, ("channels", "height", "width"), where=f"image file {path}",
+                fix="expected (H, W), (H, W, C) or (C, H, W) of a real image; resize or convert it")
+
+
+def _read_pt(path: Path) -> np.ndarray:
+    """A ``.pt`` image (weights_only); the zip's declared sizes are checked before torch inflates anything."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as archive:
+            declared = sum(info.file_size for info in archive.infolist())
+    except (zipfile.BadZipFile, OSError) as exc:
+        raise FlowgeomError(f"image file {path} is not a torch.save file ({one_line(exc)}); {_FOLDER_FIX}") from None
+    if declared > _MAX_IMAGE_FILE:
+        raise FlowgeomError(f"image file {path} unpacks to {declared} bytes, over {_MAX_IMAGE_FILE}; {_FOLDER_FIX}")
+    try:
         arr = torch.load(path, map_location="cpu", weights_only=True)
-        arr = arr.numpy() if isinstance(arr, torch.Tensor) else np.asarray(arr)
-    else:
-        try:
-            from PIL import Image
-        except ImportError:
-            raise FlowgeomError(f"{path.name} is a {suffix} picture but Pillow is not installed; install "
-                                "Pillow or convert the folder to .npy/.pt arrays") from None
+    except Exception as exc:  # noqa: BLE001 - unpickling errors of every kind: the file is refused as a whole
+        raise FlowgeomError(f"image file {path} could not be loaded as a tensor ({one_line(exc)[:200]}); "
+                            f"{_FOLDER_FIX}") from None
+    if not isinstance(arr, torch.Tensor) or arr.is_complex() or arr.dtype == torch.bool:
+        raise FlowgeomError(f"image file {path} holds a {type(arr).__name__}, not a real-valued tensor; {_FOLDER_FIX}")
+    _check_image(path, tuple(arr.shape))
+    return arr.numpy()
+
+
+def _read_picture(path: Path) -> np.ndarray:
+    """A ``.png``/``.jpg`` through Pillow; its header's size is checked before the pixels are decoded."""
+    try:
+        from PIL import Image
+    except ImportError:
+        raise FlowgeomError(f"{path.name} is a {path.suffix} picture but Pillow is not installed; install "
+                            "Pillow or convert the folder to .npy/.pt arrays") from None
+    try:
         with Image.open(path) as im:
-            arr = np.asarray(im.convert("RGB"))
-    arr = np.asarray(arr)
-    if arr.ndim == 2:
-        arr = arr[None]  # (1, H, W)
-    elif arr.ndim == 3 and arr.shape[-1] in (1, 3) and arr.shape[0] not in (1, 3):
-        arr = arr.transpose(2, 0, 1)  # (H, W, C) -> (C, H, W)
-    if arr.ndim != 3:
-        raise FlowgeomError(f"{path} holds an array of shape {arr.shape}; expected (H, W), (H, W, C) or (C, H, W)")
+            width, height = im.size
+            _check_image(path, (height, width, 3))
+            return np.asarray(im.convert("RGB"))
+    except FlowgeomError:
+        raise
+    except (OSError, ValueError, Image.DecompressionBombError) as exc:  # not a picture, truncated, a bomb
+        raise FlowgeomError(f"image file {path} is not a readable picture ({one_line(exc)[:200]}); "
+                            f"{_FOLDER_FIX}") from None
+
+
+def _read_one(path: Path) -> np.ndarray:
+    """One image file as (C, H, W) uint8, its size checked against the image contract before it is read."""
+    suffix = path.suffix.lower()
+    info = regular_file(path, "image file", fix=_FOLDER_FIX)
+    if info.st_size > _MAX_IMAGE_FILE:
+        raise FlowgeomError(f"image file {path} is {info.st_size} bytes, over {_MAX_IMAGE_FILE}; {_FOLDER_FIX}")
+    if suffix == ".npy":
+        arr = read_npy(path, "image file", fix=_FOLDER_FIX, limit=_MAX_IMAGE_FILE,
+                       check=lambda shape: _check_image(path, shape))
+    elif suffix == ".pt":
+        arr = _read_pt(path)
+    else:
+        arr = _read_picture(path)
+    if arr.dtype.kind not in "biuf":
+        raise FlowgeomError(f"image file {path} holds {arr.dtype} values, not numbers; {_FOLDER_FIX}")
+    layout = _layout(arr.shape)  # 2-D or 3-D: _check_image refused the rest
+    arr = arr[None] if layout == "HW" else arr.transpose(2, 0, 1) if layout == "HWC" else arr  # (C, H, W)
     return arr.astype(np.uint8, copy=False)
 
 

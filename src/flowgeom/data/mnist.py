@@ -13,6 +13,8 @@ from __future__ import annotations
 import gzip
 import importlib.metadata
 import io
+import math
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +22,7 @@ import torch
 
 from flowgeom.errors import FlowgeomError, choice_error
 from flowgeom.files import read_regular
+from flowgeom.limits import image_shape
 
 SPLITS = ("train", "test")
 _MAX_IDX = 2**32  # bytes of one IDX file (EMNIST, the largest common one, is ~0.7 GB)
@@ -51,24 +54,37 @@ def _read_archive(split: str) -> tuple[np.ndarray, np.ndarray]:
         store.close()
 
 
-def _read_idx(path: Path) -> np.ndarray:
-    data = read_regular(path, "IDX file", limit=_MAX_IDX, fix="pass a folder with MNIST-style IDX files")
-    if path.suffix == ".gz":
-        try:
-            with gzip.GzipFile(fileobj=io.BytesIO(data)) as gz:
-                data = gz.read(_MAX_IDX + 1)  # a gzip bomb stops here
-        except (OSError, EOFError) as exc:
-            raise FlowgeomError(f"{path} is not a readable .gz file ({exc}); re-download it") from None
-        if len(data) > _MAX_IDX:
-            raise FlowgeomError(f"{path} unpacks to over {_MAX_IDX} bytes, far more than an IDX image set; re-download it")
-    if len(data) < 4 or data[:2] != b"\x00\x00" or data[2] != 0x08:
-        raise FlowgeomError(f"{path} is not an unsigned-byte IDX file; pass a folder with MNIST-style IDX files")
-    ndim = data[3]
-    dims = tuple(int.from_bytes(data[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim))
-    body = np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim)
-    if body.size != int(np.prod(dims)):
-        raise FlowgeomError(f"{path} is truncated: header says {dims}, found {body.size} bytes of data")
-    return body.reshape(dims)
+def _read_idx(path: Path, names: tuple[str, ...]) -> np.ndarray:
+    """The uint8 array of IDX file ``path`` (``.gz`` too), of dims ``names``; the header is checked first.
+
+    The header declares the dims (:func:`flowgeom.limits.image_shape`); only that many bytes are then read
+    from the (decompressed) stream, so neither a forged header nor a gzip bomb decides the allocation.
+    """
+    fix = "pass a folder with MNIST-style IDX files"
+    raw = read_regular(path, "IDX file", limit=_MAX_IDX, fix=fix)
+    stream = gzip.GzipFile(fileobj=io.BytesIO(raw)) if path.suffix == ".gz" else io.BytesIO(raw)
+    try:
+        head = stream.read(4)
+        if len(head) < 4 or head[:2] != b"\x00\x00" or head[2] != 0x08:
+            raise FlowgeomError(f"{path} is not an unsigned-byte IDX file; {fix}")
+        raw_dims = stream.read(4 * head[3])
+        if len(raw_dims) < 4 * head[3]:
+            raise FlowgeomError(f"{path} is truncated inside its header; re-download it")
+        dims = image_shape([int.from_bytes(raw_dims[i:i + 4], "big") for i in range(0, len(raw_dims), 4)], names,
+                           where=f"IDX file {path}", fix=fix)
+        want = math.prod(dims)
+        if want > _MAX_IDX:
+            raise FlowgeomError(f"IDX file {path} declares {dims} ({want} bytes), over {_MAX_IDX} bytes (no real "
+                                f"image set is that size); {fix}")
+        body = stream.read(want + 1)  # one byte more: a longer file is not what its header says either
+    except (OSError, EOFError, zlib.error) as exc:
+        raise FlowgeomError(f"{path} is not a readable .gz file ({exc}); re-download it") from None
+    if len(body) < want:
+        raise FlowgeomError(f"{path} is truncated: its header says {dims} ({want} bytes), the file holds "
+                            f"{len(body)} bytes of data; re-download it")
+    if len(body) > want:
+        raise FlowgeomError(f"{path} holds more data than its header says ({dims}, {want} bytes); re-download it")
+    return np.frombuffer(body, dtype=np.uint8).reshape(dims)
 
 
 def _find(folder: Path, stem: str) -> Path:
@@ -90,7 +106,8 @@ def load_mnist(split: str = "train", *, path: str | Path | None = None, limit: i
         if not folder.is_dir():
             raise FlowgeomError(f"MNIST path {folder} is not a folder; pass the folder holding the IDX files")
         img_stem, lab_stem = _IDX[split]
-        images, labels = _read_idx(_find(folder, img_stem)), _read_idx(_find(folder, lab_stem))
+        images = _read_idx(_find(folder, img_stem), ("images", "height", "width"))
+        labels = _read_idx(_find(folder, lab_stem), ("labels",))
     if len(images) != len(labels):
         raise FlowgeomError(f"{len(images)} images but {len(labels)} labels in the {split} split; the files do not match")
     if limit is not None:

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from flowgeom.errors import FlowgeomError
-from flowgeom.files import open_regular, read_text
+from flowgeom.errors import FlowgeomError, require
+from flowgeom.files import read_npy, read_text
 from flowgeom.limits import file_int
 
 MAX_TOKENIZER = 2**28  # bytes of tokenizer.json (the largest real ones are ~35 MB)
@@ -78,14 +78,9 @@ def load_tokenizer(spec: str | Path):
     """The tokenizer of a model: a GGUF's metadata, or ``tokenizer.json`` in an HF folder."""
     from tokenizers import Tokenizer
 
-    from flowgeom.gguf_file import open_gguf
-    from flowgeom.nn.llama import is_gguf
+    from flowgeom.io import is_gguf, local_path, open_gguf
 
-    if str(spec).startswith("builtin:"):
-        from flowgeom.continuity.sources import builtin_path
-
-        spec = builtin_path(str(spec))
-    path = Path(spec)
+    path = local_path(spec)
     if path.is_dir() and os.path.lexists(path / "tokenizer.json"):  # a FIFO or device is refused, not skipped
         text = read_text(path / "tokenizer.json", "tokenizer.json", limit=MAX_TOKENIZER,
                          fix="copy the original model's tokenizer.json there")
@@ -131,14 +126,15 @@ def cached_ids(text: str, tokenizer, *, cache: Path | None = None) -> np.ndarray
 
     key = f"{hashlib.sha256(text.encode()).hexdigest()[:16]}-{tokenizer_fingerprint(tokenizer)[:16]}"
     folder = cache or cache_dir()
+    most = len(text.encode())  # byte-level tokenizers give at most one id per byte: a larger entry is forged
     for path in sorted(folder.glob(f"{key}-*.npy")) if folder.is_dir() else []:
         if not path.is_file():
             continue
         try:
-            with open_regular(path, "token cache entry") as fh:
-                ids = np.load(fh, allow_pickle=False)
-        except (OSError, ValueError):
-            continue  # damaged cache file: recompute and overwrite
+            ids = read_npy(path, "token cache entry", fix="it is recomputed", limit=4 * most + 4096,
+                           check=lambda shape: require(len(shape) == 1 and shape[0] <= most, "not a list of ids"))
+        except (OSError, ValueError):  # FlowgeomError included
+            continue  # damaged or forged cache file: recompute and overwrite
         if ids.dtype == np.int32 and ids.ndim == 1 and path.stem == f"{key}-{_digest(key, ids)}":
             return ids
     ids = np.asarray(tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int32)

@@ -41,9 +41,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from flowgeom.errors import FlowgeomError, choice_error, require_choices
-from flowgeom.laws.monitor import ConservationMonitor, warn_plain_gd_only
+from flowgeom.experiments.presets import scales
 from flowgeom.experiments.training import Step, Tick, checkpoint_state, loss_hook, restore_checkpoint, train_loop
-from flowgeom.runs import RunFolder
+from flowgeom.laws.monitor import ConservationMonitor
+from flowgeom.runs import RunFolder, atomic_write_figure
 
 TASKS = ("lm", "vit")
 OPTIMIZERS = ("sgd", "momentum", "adam")
@@ -118,13 +119,17 @@ class ConservationConfig:
         return dataclasses.replace(self, **changes)
 
 
+REGIMES = ("gd", "sgd")  # full-batch gradient descent on a fixed set, mini-batch SGD
+
+
 @dataclass(frozen=True)
 class ConservationPreset:
-    """One scale of the experiment: the arch × lr × seed × regime grid around one nested run config.
+    """One scale of the experiment: the lr × seed × regime grid around one nested run config.
 
     ``model`` carries every per-run field (model size, data size, batch, logging);
-    ``steps`` overrides its ``steps``. ``flowgeom conserve run --quick|--full`` and
-    the ``conservation.*`` claims of ``flowgeom reproduce`` both read these, so a
+    ``steps`` overrides its ``steps``. ``flowgeom conserve run --quick|--cpu|--full``
+    and the ``conservation.drift`` claim both build their runs with :meth:`run_config`
+    (the grid: :func:`flowgeom.experiments.conservation_grid.run_drift_grid`), so a
     scale trains the same models everywhere.
     """
 
@@ -134,28 +139,39 @@ class ConservationPreset:
     regimes: tuple[str, ...]
     model: ConservationConfig
 
+    def base(self, *, regime: str = "sgd", **changes: Any) -> ConservationConfig:
+        """The nested run config of one regime (``gd`` = full batch) with ``changes``, before arch, lr and seed."""
+        if regime not in REGIMES:
+            raise choice_error("regime", regime, REGIMES)
+        return self.model.replace(**{"steps": self.steps, **changes}, full_batch=regime == "gd")
+
     def run_config(self, arch: str, *, lr: float, seed: int, regime: str = "sgd", **changes: Any) -> ConservationConfig:
-        """The config of one run of the grid (``regime`` gd = full batch)."""
-        if arch not in ARCHS:
-            raise choice_error("architecture", arch, ARCHS)
-        if regime not in ("gd", "sgd"):
-            raise choice_error("regime", regime, ("gd", "sgd"))
-        return self.model.replace(**{"steps": self.steps, **changes, **ARCHS[arch]}, lr=lr, seed=seed,
-                                  full_batch=regime == "gd")
+        """The config of one run of the grid: :meth:`base` on architecture ``arch`` at step size ``lr``."""
+        return with_arch(self.base(regime=regime, **changes), arch, lr=lr, seed=seed)
 
 
-# Laptop scale: ~2 min for the whole grid on 2 cores.
-QUICK = ConservationPreset(lrs=(0.05, 0.2), seeds=1, steps=100, regimes=("gd", "sgd"), model=ConservationConfig())
-# Paper scale (seed 000): a 12-layer LM on WikiText-103 (data=PATH) and a ViT on ImageNet (data=PATH, patch=16).
+def with_arch(base: ConservationConfig, arch: str, *, lr: float, seed: int) -> ConservationConfig:
+    """``base`` on the named architecture ``arch`` (see :data:`ARCHS`) at step size ``lr`` and ``seed``."""
+    if arch not in ARCHS:
+        raise choice_error("architecture", arch, ARCHS)
+    return base.replace(**ARCHS[arch], lr=lr, seed=seed)
+
+
+# quick: one step size, 100 steps, GD and SGD on every architecture (16 runs, ~20 s of CPU). lr 0.1 is the step
+# size the quick claim (`reproduce --quick`, `make demo`) has always trained; the preset's grid used to be
+# (0.05, 0.2), which no claim ran. Add step sizes with `--lr`.
+QUICK = ConservationPreset(lrs=(0.1,), seeds=1, steps=100, regimes=("gd", "sgd"), model=ConservationConfig())
+# full: paper scale (seed 000): a 12-layer LM on WikiText-103 (data=PATH) and a ViT on ImageNet (data=PATH, patch=16).
 FULL = ConservationPreset(
     lrs=(0.01, 0.03, 0.1), seeds=10, steps=20_000, regimes=("gd", "sgd"),
     model=ConservationConfig(d_model=512, n_layers=12, heads=8, d_k=64, d_hidden=1376, seq_len=256, batch=64,
                              corpus_chars=0, n_train=1_281_167, log_every=100, checkpoint_every=1000),
 )
-# Between the two for 2 CPU cores: the quick model trained 20x longer, long enough to separate laws from controls.
+# cpu: between the two for 2 CPU cores: the quick model trained 20x longer, long enough to separate laws from
+# controls (~1 min a run on one core).
 CPU = ConservationPreset(lrs=(0.03, 0.1), seeds=2, steps=2000, regimes=("sgd",),
                          model=ConservationConfig(log_every=50, checkpoint_every=500))
-PRESETS = {"quick": QUICK, "cpu": CPU, "full": FULL}
+PRESETS = scales(quick=QUICK, cpu=CPU, full=FULL)
 
 
 # ---------------------------------------------------------------- data and model
@@ -252,12 +268,20 @@ def step_size(cfg: ConservationConfig, k: int) -> float:
 
 # ---------------------------------------------------------------- one run
 
+FLAGS = ("uncovered", "zero_baseline", "low_precision")  # what ConservationMonitor.step adds to every record
+
+
 def _record(monitors: Mapping[str, ConservationMonitor], k: int, time: float) -> dict[str, Any]:
-    """ε(k) of every monitor at step ``k`` and flow time ``time``, keys prefixed by the monitor's prefix."""
+    """Every monitor's :meth:`~ConservationMonitor.step` record at step ``k`` and flow time ``time``.
+
+    The main monitor (prefix ``""``) gives its record whole, flags included; the
+    weight-decay monitors (``wd/``, ``wd-sgd/``) add their ε's with their prefix.
+    """
     rec: dict[str, Any] = {}
     for prefix, mon in monitors.items():
-        decay_log = -k * math.log1p(-mon.lr * mon.weight_decay) if mon.rescale == "sgd" else None
-        rec.update({prefix + key: v for key, v in mon.measure(time=time, decay_log=decay_log).items()})
+        measured = mon.step(k, time=time)
+        rec.update(measured if not prefix else
+                   {prefix + key: v for key, v in measured.items() if key != "step" and key not in FLAGS})
     return rec
 
 
@@ -280,50 +304,51 @@ def run_conservation(cfg: ConservationConfig, out: str | Path, *, resume: bool =
     task = build_task(cfg)
     model = task.model
     opt = make_optimizer(cfg, model.parameters())
-    if cfg.optimizer != "sgd" or cfg.weight_decay:
-        warn_plain_gd_only(opt)
-    # warn=True: each block no law covers is warned about (FlowgeomWarning) and listed in the summary
-    monitors = {"": ConservationMonitor(model, every=cfg.log_every, per_block=True, warn=True, optimizer=opt)}
+    # every=1: the loop decides which ticks are measured. warn=True: the monitor warns (once) when the optimiser is
+    # not plain SGD, and about each block no law covers (also listed in the summary).
+    monitors = {"": ConservationMonitor(model, every=1, per_block=True, warn=True, optimizer=opt)}
     if cfg.weight_decay:
-        monitors["wd/"] = ConservationMonitor(model, every=cfg.log_every, per_block=False, warn=False,
+        monitors["wd/"] = ConservationMonitor(model, every=1, per_block=False, warn=False,
                                               weight_decay=cfg.weight_decay, lr=cfg.lr)
         if cfg.optimizer == "sgd" and cfg.schedule == "constant" and cfg.lr * cfg.weight_decay < 1:
-            monitors["wd-sgd/"] = ConservationMonitor(model, every=cfg.log_every, per_block=False, warn=False,
+            monitors["wd-sgd/"] = ConservationMonitor(model, every=1, per_block=False, warn=False,
                                                       weight_decay=cfg.weight_decay, lr=cfg.lr, rescale="sgd")
     gen = torch.Generator().manual_seed(cfg.seed)
-    start, clock = 0, {"time": 0.0}  # clock: Σ τ_k of the updates done (the flow time of θ_k)
+    start, time = 0, 0.0  # time: Σ τ_k of the updates done (the flow time of θ_k)
     ckpt = run.load_checkpoint() if resume else None
     if ckpt is not None:
         start = restore_checkpoint(ckpt, model=model, optimizer=opt, generator=gen)
         for prefix, mon in monitors.items():
             mon.load_state_dict(ckpt["monitors"][prefix])
-        clock["time"] = ckpt["time"]
+        time = ckpt["time"]
     run.truncate_metrics(after_step=start - 1)
-    batch_loss: dict[str, torch.Tensor] = {}
 
     def forward(k: int) -> float:
+        """The batch loss at θ_k, and its gradients unless k is the last tick (which only measures)."""
         x, y = task.batch(gen)
-        batch_loss["k"] = task.loss(model(x), y)
-        return float(batch_loss["k"].detach())
+        loss = task.loss(model(x), y)
+        if k < cfg.steps:
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+        return float(loss.detach())
 
     def update(k: int) -> None:
+        nonlocal time
         tau = step_size(cfg, k)
         for group in opt.param_groups:
             group["lr"] = tau
-        opt.zero_grad(set_to_none=True)
-        batch_loss.pop("k").backward()
         opt.step()
-        clock["time"] += tau
+        time += tau
 
     def save(k: int) -> None:
-        run.save_checkpoint(checkpoint_state(k, model=model, optimizer=opt, generator=gen, time=clock["time"],
+        run.save_checkpoint(checkpoint_state(k, model=model, optimizer=opt, generator=gen, time=time,
                                              monitors={p: m.state_dict() for p, m in monitors.items()}))
 
     def measure(tick: Tick) -> dict[str, Any]:
-        return _record(monitors, tick.step, clock["time"])
+        return _record(monitors, tick.step, time)
 
     end = train_loop(Step(forward=forward, update=update), steps=cfg.steps, start=start, log=run.log,
-                     log_every=cfg.log_every, context=lambda k: {"step": k, "time": clock["time"]},
+                     log_every=cfg.log_every, context=lambda k: {"step": k, "time": time},
                      hooks=(loss_hook, measure), checkpoint=save, checkpoint_every=cfg.checkpoint_every,
                      stop_after=stop_after,
                      progress=None if progress is None else lambda done: progress(done, cfg.steps))
@@ -349,14 +374,12 @@ def _title(cfg: ConservationConfig) -> str:
     return f"{model}, {regime} {cfg.optimizer} τ={cfg.lr:g} λ={cfg.weight_decay:g} seed {cfg.seed}"
 
 
-# ---------------------------------------------------------------- figures and grids
+# ---------------------------------------------------------------- figure of one run
 
 def plot_run(metrics: Sequence[Mapping[str, Any]], path: str | Path, *, title: str = "") -> Path:
     """ε(k) per law family (solid), controls (dashed), refuted claims (dotted); log scale."""
     from matplotlib.figure import Figure  # object API: no pyplot, no global backend switch
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     keys = sorted({k for m in metrics for k in m if "/" in k and "@" not in k})
     steps = [m["step"] for m in metrics]
     fig = Figure(figsize=(6.4, 4.2))
@@ -371,78 +394,4 @@ def plot_run(metrics: Sequence[Mapping[str, Any]], path: str | Path, *, title: s
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    return path
-
-
-def run_grid(base: ConservationConfig, out: str | Path, *, archs: Sequence[str], lrs: Sequence[float],
-             seeds: Sequence[int], resume: bool = False,
-             progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
-    """architecture × lr × seed, one run folder each: ``out/ARCH/lr=τ/seed=S``.
-
-    Returns one row per run: arch, lr, seed, final ε per family/control, path.
-    Runs that diverge are kept as rows with ``diverged`` and their message.
-    """
-    rows = []
-    for arch in archs:
-        for lr in lrs:
-            for seed in seeds:
-                cfg = base.replace(**ARCHS[arch], lr=lr, seed=seed) if arch in ARCHS else None
-                if cfg is None:
-                    raise choice_error("architecture", arch, ARCHS)
-                path = Path(out) / arch / f"lr={lr:g}" / f"seed={seed}"
-                if progress:
-                    progress(f"{arch} lr={lr:g} seed={seed}")
-                row = {"arch": arch, "lr": lr, "seed": seed, "path": str(path)}
-                try:
-                    summary = run_conservation(cfg, path, resume=resume)
-                    row.update({k: v for k, v in summary["final"].items() if "@" not in k})
-                    row["uncovered"] = summary.get("uncovered", [])  # [{block, reason}]: not measured
-                except FlowgeomError as exc:
-                    if "diverged" not in str(exc):
-                        raise
-                    row.update({"diverged": True, "message": str(exc)})
-                rows.append(row)
-    return rows
-
-
-def _mean(record: Mapping[str, Any], kind: str) -> float:
-    vals = [v for k, v in record.items() if k.startswith(kind + "/") and "@" not in k]
-    return sum(vals) / len(vals) if vals else float("nan")
-
-
-def plot_grid(rows: Sequence[Mapping[str, Any]], path: str | Path, *, title: str = "") -> Path:
-    """One panel per architecture: mean ε over law families (solid) and controls (dashed), one colour per lr."""
-    from matplotlib import rcParams
-    from matplotlib.figure import Figure  # object API: no pyplot, no global backend switch
-
-    archs = list(dict.fromkeys(r["arch"] for r in rows))
-    lrs = sorted({r["lr"] for r in rows})
-    cols = min(4, len(archs))
-    n_rows = -(-len(archs) // cols)
-    fig = Figure(figsize=(3.6 * cols, 2.9 * n_rows))
-    axes = fig.subplots(n_rows, cols, squeeze=False)
-    colours = rcParams["axes.prop_cycle"].by_key()["color"]
-    for ax, arch in zip(axes.flat, archs):
-        for i, lr in enumerate(lrs):
-            for r in (r for r in rows if r["arch"] == arch and r["lr"] == lr and not r.get("diverged")):
-                ms = [m for m in RunFolder(r["path"]).metrics() if m["step"] > 0 and "diverged" not in m]
-                steps = [m["step"] for m in ms]
-                ax.plot(steps, [_mean(m, "eps") for m in ms], "-", color=colours[i % len(colours)], lw=1,
-                        label=f"laws τ={lr:g}" if r["seed"] == rows[0]["seed"] else None)
-                ax.plot(steps, [_mean(m, "control") for m in ms], "--", color=colours[i % len(colours)], lw=1,
-                        label=f"controls τ={lr:g}" if r["seed"] == rows[0]["seed"] else None)
-        ax.set_yscale("log")
-        ax.set_title(arch, fontsize=9)
-        ax.set_xlabel("step k", fontsize=8)
-    for ax in list(axes.flat)[len(archs):]:
-        ax.axis("off")
-    axes.flat[0].set_ylabel("ε(k)")
-    if axes.flat[0].get_legend_handles_labels()[0]:
-        axes.flat[0].legend(fontsize=6)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    return path
+    return atomic_write_figure(path, fig, dpi=110)

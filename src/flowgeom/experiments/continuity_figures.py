@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from flowgeom.continuity.dynamics import series
-from flowgeom.runs import atomic_write_bytes
+from flowgeom.runs import atomic_write_figure
 
 
 def _figure(figsize: tuple[float, float]):
@@ -18,13 +18,7 @@ def _figure(figsize: tuple[float, float]):
 
 
 def _save(fig, path: str | Path) -> Path:
-    import io
-
-    path = Path(path)
-    buf = io.BytesIO()
-    fig.savefig(buf, format=path.suffix.lstrip(".") or "png", dpi=120, bbox_inches="tight")
-    atomic_write_bytes(path, buf.getvalue())
-    return path
+    return atomic_write_figure(path, fig, dpi=120, bbox_inches="tight")
 
 
 def _positive(values: list[float]) -> list[float]:

@@ -6,7 +6,7 @@ import math
 from typing import Any
 
 from flowgeom.langevin.rate import hitting_times
-from flowgeom.runs import RunFolder
+from flowgeom.runs import RunFolder, atomic_write_figure
 
 KEYS = ("train_rmse", "test_rmse", "test_rel_l2", "train_rel_l2", "gap", "wq_norm", "wk_norm")
 
@@ -63,7 +63,7 @@ def figures(folder: RunFolder, summary: dict[str, Any]) -> list[str]:
     from matplotlib.figure import Figure  # object API: no pyplot, no global backend switch
 
     metrics = folder.metrics()
-    folder.figures.mkdir(parents=True, exist_ok=True)
+    figures = folder.figures  # created; a planted link there is refused
     regs = list(summary["arms"])
     paths = []
 
@@ -76,7 +76,7 @@ def figures(folder: RunFolder, summary: dict[str, Any]) -> list[str]:
             ax.set_ylabel(name)
     axes[0].legend()
     fig.suptitle("Darcy: attention weight norms during Langevin training")
-    paths.append(_save(fig, folder.figures / "darcy_norms.png"))
+    paths.append(_save(fig, figures / "darcy_norms.png"))
 
     fig = Figure(figsize=(10, 4))
     axes = fig.subplots(1, 2)
@@ -88,7 +88,7 @@ def figures(folder: RunFolder, summary: dict[str, Any]) -> list[str]:
     for ax in axes:
         ax.set_xlabel("Langevin step")
         ax.legend()
-    paths.append(_save(fig, folder.figures / "darcy_errors.png"))
+    paths.append(_save(fig, figures / "darcy_errors.png"))
 
     rate = summary.get("rate") or {}
     if rate.get("eps"):
@@ -101,11 +101,10 @@ def figures(folder: RunFolder, summary: dict[str, Any]) -> list[str]:
         ax.set_xlabel("log(1/ε)")
         ax.set_ylabel("steps to train MSE ≤ L* + ε")
         ax.legend()
-        paths.append(_save(fig, folder.figures / "darcy_rate.png"))
+        paths.append(_save(fig, figures / "darcy_rate.png"))
     return paths
 
 
 def _save(fig, path) -> str:
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    return str(path)
+    return str(atomic_write_figure(path, fig, dpi=100))

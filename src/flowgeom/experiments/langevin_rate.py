@@ -30,6 +30,7 @@ import torch
 from torch.func import vmap
 
 from flowgeom.errors import FlowgeomError, choice_error
+from flowgeom.experiments.presets import scales
 from flowgeom.experiments.training import Diverged, Step, Tick, train_loop
 from flowgeom.langevin import Langevin, Regularizer, objective
 from flowgeom.langevin.optimizer import check_hyper
@@ -65,6 +66,13 @@ class RateConfig:
         check_hyper(self.lr, self.temperature)
         if min(self.chains, self.steps, self.record_every, self.restarts, self.restart_steps) < 1 or not self.start_radius > 0:
             raise FlowgeomError("chains, steps, record_every, restarts and start_radius must be positive")
+
+
+# One scale: every arm of the rate experiment takes seconds of CPU (~20 s a loss) and the seed states the
+# O(log 1/ε) law without a larger protocol, so quick, cpu and full are the same configuration (the defaults).
+# It has no reproduce claim; `flowgeom langevin rate` trains it (its flag defaults are these fields).
+QUICK = CPU = FULL = RateConfig()
+PRESETS = scales(quick=QUICK, cpu=CPU, full=FULL)
 
 
 def best_loss(obj, *, restarts: int, seed: int, steps: int = 1500) -> float:
@@ -134,6 +142,8 @@ def plot_rate(result: dict[str, Any], path) -> None:
     """Left: ``E[V₀] − L*`` against time (log scale); right: ``τ(ε)`` against ``log(1/ε)``."""
     from matplotlib.figure import Figure  # object API: no pyplot, no global backend switch
 
+    from flowgeom.runs import atomic_write_figure
+
     fig = Figure(figsize=(10, 4))
     ax_c, ax_t = fig.subplots(1, 2)
     for reg, curve in result["suboptimality"].items():
@@ -149,4 +159,4 @@ def plot_rate(result: dict[str, Any], path) -> None:
     for ax in (ax_c, ax_t):
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    atomic_write_figure(path, fig, dpi=100)

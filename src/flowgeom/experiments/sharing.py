@@ -32,9 +32,10 @@ config key) calibrates each group on the already-compressed blocks before it.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,8 @@ import torch
 from flowgeom.continuity.compress import angular_drop, bi_drop, drop_count
 from flowgeom.continuity.compression import HF_NAMES, ROLES, SEED_SPACE, weight_key
 from flowgeom.errors import FlowgeomError, choice_error
+from flowgeom.experiments.presets import preset as resolve
+from flowgeom.experiments.presets import scales
 
 METHODS = {"svd": ("svd", None), "whiten": ("whiten", None), "basis-sharing": ("basis-sharing", None),
            "seed-space": ("share", "seed"), "opposite-space": ("share", "opposite"),
@@ -51,40 +54,45 @@ ROLE_STRATEGIES = ("role-input", "role-output")
 PRUNE = ("prune-bi", "prune-angular", "prune-continuity", "prune-random")
 STRATEGIES = ("none",) + tuple(METHODS) + PRUNE
 
+@dataclass(frozen=True)
+class SharingPreset:
+    """One scale of the sharing grid: which budgets, which comparisons, and how perplexity is scored."""
+
+    budgets: tuple[float, ...]          # fractions saved, every method of METHODS at each
+    role_budgets: tuple[float, ...]     # one role at a time, in each space (ROLE_STRATEGIES)
+    prune_budgets: tuple[float, ...]    # dropping blocks (PRUNE)
+    random_seeds: tuple[int, ...]       # random dropping orders
+    tokens: int | None                  # held-out tokens scored (None: the whole split, 47,870)
+    context: int = 512                  # tokens per perplexity window
+    group: int = 2                      # layers sharing one basis
+    calib: str = "kjv"                  # calibration text
+    calib_tokens: int = 16384           # calibration tokens (one set of Grams for the whole grid)
+    sequential: bool = False            # calibrate each group on the already-compressed blocks before it
+
+
 # quick: one budget, every method, the four pruning rankings (2 random orders) at 10%, the reference: 12 runs on
 #   2,048 held-out tokens. cpu: three budgets, every method, the per-role comparison at 20%, pruning at 10%
 #   and 20% with five random orders: 49 runs on 4,096 tokens. full: cpu on the whole held-out split (47,870).
-PRESETS: dict[str, dict[str, Any]] = {
-    "quick": {"budgets": (0.2,), "role_budgets": (), "prune_budgets": (0.1,), "random_seeds": (0, 1),
-              "tokens": 2048, "context": 512, "group": 2, "calib": "kjv", "calib_tokens": 16384,
-              "sequential": False},
-    "cpu": {"budgets": (0.1, 0.2, 0.3), "role_budgets": (0.2,), "prune_budgets": (0.1, 0.2),
-            "random_seeds": (0, 1, 2, 3, 4), "tokens": 4096, "context": 512, "group": 2, "calib": "kjv",
-            "calib_tokens": 16384, "sequential": False},
-    "full": {"budgets": (0.1, 0.2, 0.3), "role_budgets": (0.2,), "prune_budgets": (0.1, 0.2),
-             "random_seeds": (0, 1, 2, 3, 4), "tokens": None, "context": 512, "group": 2, "calib": "kjv",
-             "calib_tokens": 16384, "sequential": False},
-}
+QUICK = SharingPreset(budgets=(0.2,), role_budgets=(), prune_budgets=(0.1,), random_seeds=(0, 1), tokens=2048)
+CPU = SharingPreset(budgets=(0.1, 0.2, 0.3), role_budgets=(0.2,), prune_budgets=(0.1, 0.2),
+                    random_seeds=(0, 1, 2, 3, 4), tokens=4096)
+FULL = dataclasses.replace(CPU, tokens=None)
+PRESETS = scales(quick=QUICK, cpu=CPU, full=FULL)
 
 
 def sharing_grid(preset: str = "quick", *, source: str = "builtin:smollm2", text: str = "kjv",
                  **overrides: Any) -> tuple[dict[str, Any], ...]:
-    """The run configs of a preset (plain JSON dicts); ``overrides`` replace preset keys (tests: smaller grids)."""
-    if preset not in PRESETS:
-        raise choice_error("preset", preset, PRESETS)
-    unknown = sorted(set(overrides) - set(PRESETS[preset]))
-    if unknown:
-        raise FlowgeomError(f"unknown sharing preset keys {unknown}; valid: {', '.join(PRESETS[preset])}")
-    p = {**PRESETS[preset], **overrides}
-    base = {"source": source, "text": text, **{k: p[k] for k in ("tokens", "context", "group", "calib",
-                                                                  "calib_tokens", "sequential")}}
+    """The run configs of a preset (plain JSON dicts); ``overrides`` replace preset fields (tests: smaller grids)."""
+    p = resolve(PRESETS, preset, what="sharing preset keys", **overrides)
+    base = {"source": source, "text": text, **{k: getattr(p, k) for k in ("tokens", "context", "group", "calib",
+                                                                           "calib_tokens", "sequential")}}
     runs = [{**base, "strategy": "none", "budget": 0.0, "seed": 0}]
-    runs += [{**base, "strategy": s, "budget": b, "seed": 0} for b in p["budgets"] for s in METHODS]
+    runs += [{**base, "strategy": s, "budget": b, "seed": 0} for b in p.budgets for s in METHODS]
     runs += [{**base, "strategy": s, "budget": b, "seed": 0, "role": role}
-             for b in p["role_budgets"] for role in ROLES for s in ROLE_STRATEGIES]
-    for b in p["prune_budgets"]:
+             for b in p.role_budgets for role in ROLES for s in ROLE_STRATEGIES]
+    for b in p.prune_budgets:
         runs += [{**base, "strategy": s, "budget": b, "seed": 0} for s in PRUNE[:3]]
-        runs += [{**base, "strategy": "prune-random", "budget": b, "seed": s} for s in p["random_seeds"]]
+        runs += [{**base, "strategy": "prune-random", "budget": b, "seed": s} for s in p.random_seeds]
     return tuple(runs)
 
 
@@ -306,11 +314,9 @@ LABELS = {"svd": "plain SVD (data-free)", "whiten": "SVD-LLM (whitened, per laye
 def sharing_figure(rows: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
     """Perplexity (log) against projection parameters saved (%), a line per method, pruning as markers,
     the reference as a dashed line; with per-role runs a second panel (seed space filled)."""
-    import io
-
     from matplotlib.figure import Figure
 
-    from flowgeom.runs import atomic_write_bytes
+    from flowgeom.runs import atomic_write_figure
 
     single = [r for r in rows if "role" in r]
     fig = Figure(figsize=(6.4, 3.8) if not single else (12.0, 3.8))
@@ -347,11 +353,8 @@ def sharing_figure(rows: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
         ax.set_yscale("log")
         ax.set_title("one role at a time, whitened (filled: the seed's space)", fontsize=9)
         ax.legend(fontsize=6)
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
-    atomic_write_bytes(path, buf.getvalue())
-    return Path(path)
+    return atomic_write_figure(path, fig, format="png", dpi=110, bbox_inches="tight")
 
 
-__all__ = ["HF_NAMES", "METHODS", "PRESETS", "PRUNE", "ROLE_STRATEGIES", "STRATEGIES", "angular_drop", "bi_drop",
-           "judge", "run_sharing", "sharing_figure", "sharing_grid"]
+__all__ = ["HF_NAMES", "METHODS", "PRESETS", "PRUNE", "ROLE_STRATEGIES", "STRATEGIES", "SharingPreset", "angular_drop",
+           "bi_drop", "judge", "run_sharing", "sharing_figure", "sharing_grid"]

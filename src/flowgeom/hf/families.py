@@ -1,4 +1,4 @@
-"""The one family table: which blocks each HF ``model_type`` has, and their layout.
+"""The one family table: everything flowgeom knows about each HF ``model_type``.
 
 Each :class:`Family` says, for one ``model_type`` of ``transformers`` 5.23:
 
@@ -12,21 +12,30 @@ Each :class:`Family` says, for one ``model_type`` of ``transformers`` 5.23:
   (``none`` / ``per_head`` Qwen3 / ``full`` OLMoE);
 - **mlp**: the module classes and kind (``gated``: act(gate)·up then down,
   SwiGLU or GeGLU; ``fused_gated``: Phi-3 ``gate_up_proj`` rows gate|up;
-  ``gelu``: two-layer MLP with a GELU; ``moe``: a sparse MoE block).
+  ``gelu``: two-layer MLP with a GELU; ``moe``: a sparse MoE block);
+- **naming** (checkpoint tensor names, for :mod:`flowgeom.continuity.naming`):
+  the container of the numbered layers and the block paths, fused layouts
+  (:class:`FusedLayout`), per-expert names on disk;
+- **laws**: the traits the closed-form counts of :mod:`flowgeom.laws.hf_target`
+  read (biases, a LayerNorm after the block, whether the decoder-block count is
+  derived), the fused-experts class of the MoE laws;
+- **sizes**: the tiny config of :mod:`flowgeom.hf.tiny` and the count-sized
+  overrides of ``hf:`` targets (or why a family is not counted).
+
+A new family is one entry here: the monitor, ``laws count hf:`` and
+``continuity analyze`` read everything from it.
 
 What varies inside a family (head counts, GQA, head_dim, partial rotary,
 biases) is read from ``model.config`` and the modules themselves by
 :func:`attention_layout`, never from child names alone.
 
-:data:`FUSED` is the data the continuity side needs to split fused
-projections into per-role matrices (:func:`fused_rows` turns it into row
-indices for a given config).
+:func:`fused_rows` turns a family's fused layouts into row indices for a given config.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -36,6 +45,28 @@ from flowgeom.errors import FlowgeomError
 
 ATTENTION_KINDS = ("qkvo", "fused_qkv", "interleaved_qkv", "conv1d", "bert", "falcon")
 MLP_KINDS = ("gated", "fused_gated", "gelu", "moe")
+BIASES = ("config", "qkv", "all")
+
+
+@dataclass(frozen=True)
+class FusedLayout:
+    """How one fused weight splits into roles.
+
+    ``axis``: the weight axis that holds the fused outputs (0 for ``nn.Linear``
+    rows, 1 for GPT-2 ``Conv1D`` columns; the bias always on axis 0 of its
+    own). ``arrangement``: ``concat`` (role blocks one after the other, sizes
+    from ``units`` in head_dim units: "H" query heads, "G" K/V heads, or
+    "half" of the axis), ``per_head`` (viewed as (H, 3, head_dim): q, k, v of
+    head h), ``grouped`` (Falcon new architecture: (G, H/G + 2, head_dim)).
+    MoE experts (E, 2m, d) fuse gate|up on axis 1, experts on axis 0.
+    """
+
+    roles: tuple[str, ...]
+    axis: int
+    arrangement: str
+    units: tuple[str, ...] = ()
+
+
 
 
 @dataclass(frozen=True)
@@ -48,50 +79,145 @@ class Family:
     weights: Mapping[str, str]          # role (q k v o qkv) -> parameter path inside the block, without .weight
     mlp: str                            # one of MLP_KINDS
     mlp_classes: tuple[str, ...]
-    mlp_weights: Mapping[str, str]      # role (gate up gate_up down) -> path inside the MLP block
+    mlp_weights: Mapping[str, str]      # role (gate up gate_up down router) -> path inside the MLP block
+    tiny: Mapping[str, Any]             # config kwargs of the tiny test model (transformers 5.23 names)
     positions: str = "rope"             # rope | absolute
     qk_norm: str = "none"               # none | per_head | full
     activation: str = "silu"            # of the gated MLP's gate, or of the 2-layer MLP
     moe_router: str = ""                # "softmax_topk" for the MoE families
     shared_expert: bool = False         # Qwen2-MoE: shared SwiGLU expert with a sigmoid scalar gate
+    experts_class: str = ""             # the fused experts module (MoE laws verified on it)
+    router_class: str = ""              # the softmax -> top-k router module
+    router_renorm: bool | None = None   # the router renormalises the top-k: always (True) or per norm_topk_prob (None)
+    # naming of checkpoint tensors
+    layers: str = ""                    # container of the numbered layers ("h", "layer"); "" = any prefix
+    attention_path: str = ""            # the attention block's path inside a layer
+    mlp_path: str = ""                  # the MLP block's path inside a layer
+    fused: Mapping[str, FusedLayout] = field(default_factory=dict)  # path inside a layer -> layout
+    expert_files: Mapping[str, str] = field(default_factory=dict)   # part -> per-expert path on disk, {e} the index
+    shared_weights: Mapping[str, str] = field(default_factory=dict)  # shared expert: part (gate up down router) -> path
+    # laws
+    bias: str = "config"                # q/k/v biases: "config" (attention_bias), "qkv" (always), "all" (+ o, MLP)
+    post_norm: bool = False             # a LayerNorm after each residual sum (BERT)
+    block_laws: bool = False            # the decoder block's count (attention + MLP + 2d) is derived
+    # sizes of hf: targets (overrides of tiny); None: not counted, for the reason in not_counted
+    count_sizes: Mapping[str, Any] | None = None
+    not_counted: str = ""
+
+    def fused_layout(self, path: str) -> FusedLayout:
+        """The layout of the fused weight whose path ends with ``path``."""
+        for p, layout in self.fused.items():
+            if p.endswith(path):
+                return layout
+        raise FlowgeomError(f"{self.model_type}: no fused layout for {path!r} in the family table")
 
 
 _QKVO = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}
 _GATED = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 _MOE = {"router": "gate", "gate_up": "experts.gate_up_proj", "down": "experts.down_proj"}
+_QKV_CONCAT = FusedLayout(("q", "k", "v"), 0, "concat", ("H", "G", "G"))
+_GATE_UP = FusedLayout(("gate", "up"), 0, "concat", ("half", "half"))
+_EXPERTS_GATE_UP = FusedLayout(("gate", "up"), 1, "concat", ("half", "half"))
+
+# Tiny configs: hidden 32, 2 layers, 4 query heads of head_dim 8, 2 K/V heads where the family has
+# grouped-query attention, vocab 64, MLP width 64, 4 experts with top-2 routing.
+TINY_DECODER = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                intermediate_size=64, vocab_size=64, max_position_embeddings=64, pad_token_id=0,
+                bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+_TOP2 = dict(num_experts_per_tok=2)
+_NEOX_LIKE = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, vocab_size=64, max_position_embeddings=64,
+                  pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, hidden_dropout=0.0,
+                  attention_dropout=0.0)
+# Count sizes: hidden 8, 2 heads of head_dim 4, MLP width 6, 3 experts, one layer. initializer_range 0.5
+# (HF default 0.02): attention logits of order one, not a near-uniform softmax whose brackets are tiny.
+_COUNT = dict(initializer_range=0.5, hidden_size=8, num_attention_heads=2, num_key_value_heads=2, head_dim=4,
+              intermediate_size=6, num_hidden_layers=1, vocab_size=16, max_position_embeddings=32)
+_COUNT_MOE = dict(_COUNT, intermediate_size=3)
+_COUNT_ENCODER = dict(initializer_range=0.5, hidden_size=8, num_attention_heads=2, intermediate_size=12,
+                      num_hidden_layers=1, vocab_size=16, max_position_embeddings=32)
 
 
-def _llama_like(mt: str, cls: str, *, mlp: str = "gated", act: str = "silu", qk_norm: str = "none",
-                shared: bool = False) -> Family:
+def llama_like(mt: str, cls: str, *, tiny: Mapping[str, Any], count: Mapping[str, Any] | None = None,
+                mlp: str = "gated", act: str = "silu", qk_norm: str = "none", bias: str = "config",
+                shared: bool = False, block_laws: bool = True, expert_files: Mapping[str, str] | None = None,
+                renorm: bool | None = None) -> Family:
+    """A Llama-style decoder: separate q/k/v/o and gate/up/down (or a sparse MoE), RoPE, RMSNorm."""
     moe = mlp == "moe"
     return Family(mt, "qkvo", (f"{cls}Attention",), _QKVO, mlp,
-                  (f"{cls}SparseMoeBlock",) if moe else (f"{cls}MLP",), _MOE if moe else _GATED,
-                  qk_norm=qk_norm, activation=act, moe_router="softmax_topk" if moe else "", shared_expert=shared)
+                  (f"{cls}SparseMoeBlock",) if moe else (f"{cls}MLP",), _MOE if moe else _GATED, tiny,
+                  qk_norm=qk_norm, activation=act, moe_router="softmax_topk" if moe else "", shared_expert=shared,
+                  experts_class=f"{cls}Experts" if moe else "", router_class=f"{cls}TopKRouter" if moe else "",
+                  router_renorm=renorm, attention_path="self_attn", mlp_path="mlp",
+                  fused={"mlp.experts.gate_up_proj": _EXPERTS_GATE_UP} if moe else {},
+                  expert_files=expert_files or {}, shared_weights=_SHARED if shared else {}, bias=bias,
+                  block_laws=block_laws,
+                  count_sizes=_COUNT if count is None else count)
 
+
+_SHARED = {"gate": "shared_expert.gate_proj", "up": "shared_expert.up_proj", "down": "shared_expert.down_proj",
+           "router": "shared_expert_gate"}
+_PER_EXPERT = {p: f"experts.{{e}}.{p}_proj" for p in ("gate", "up", "down")}  # Qwen2-MoE / OLMoE on disk
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
-    _llama_like("llama", "Llama"),
-    _llama_like("mistral", "Mistral"),
-    _llama_like("qwen2", "Qwen2"),
-    _llama_like("qwen3", "Qwen3", qk_norm="per_head"),
-    _llama_like("gemma", "Gemma", act="gelu_tanh"),
-    _llama_like("gemma2", "Gemma2", act="gelu_tanh"),
+    llama_like("llama", "Llama", tiny=TINY_DECODER),
+    llama_like("mistral", "Mistral", tiny=dict(TINY_DECODER, sliding_window=None)),
+    llama_like("qwen2", "Qwen2", tiny=dict(TINY_DECODER, use_sliding_window=False), bias="qkv"),
+    llama_like("qwen3", "Qwen3", tiny=dict(TINY_DECODER, use_sliding_window=False), qk_norm="per_head"),
+    # Gemma's RMSNorm scales by 1 + γ: the block's γ laws are not the 2d derived for the others
+    llama_like("gemma", "Gemma", tiny=TINY_DECODER, act="gelu_tanh", block_laws=False),
+    llama_like("gemma2", "Gemma2", act="gelu_tanh", block_laws=False,
+                tiny=dict(TINY_DECODER, query_pre_attn_scalar=8, sliding_window=64, attn_logit_softcapping=None,
+                          final_logit_softcapping=None),
+                count=dict(_COUNT, query_pre_attn_scalar=4, sliding_window=32)),
     Family("phi3", "fused_qkv", ("Phi3Attention",), {"qkv": "qkv_proj", "o": "o_proj"}, "fused_gated",
-           ("Phi3MLP",), {"gate_up": "gate_up_proj", "down": "down_proj"}),
+           ("Phi3MLP",), {"gate_up": "gate_up_proj", "down": "down_proj"}, TINY_DECODER,
+           attention_path="self_attn", mlp_path="mlp",
+           fused={"self_attn.qkv_proj": _QKV_CONCAT, "mlp.gate_up_proj": _GATE_UP}, count_sizes=_COUNT),
     Family("gpt2", "conv1d", ("GPT2Attention",), {"qkv": "c_attn", "o": "c_proj"}, "gelu",
-           ("GPT2MLP",), {"up": "c_fc", "down": "c_proj"}, positions="absolute", activation="gelu"),
+           ("GPT2MLP",), {"up": "c_fc", "down": "c_proj"},
+           dict(n_embd=32, n_layer=2, n_head=4, n_inner=64, vocab_size=64, n_positions=64, bos_token_id=1,
+                eos_token_id=2, tie_word_embeddings=False),
+           positions="absolute", activation="gelu", layers="h", attention_path="attn", mlp_path="mlp",
+           fused={"attn.c_attn": FusedLayout(("q", "k", "v"), 1, "concat", ("H", "H", "H"))}, bias="all",
+           count_sizes=dict(initializer_range=0.5, n_embd=8, n_head=2, n_inner=12, n_layer=1, vocab_size=16,
+                            n_positions=32)),
     Family("bert", "bert", ("BertAttention",), {"q": "self.query", "k": "self.key", "v": "self.value",
                                                  "o": "output.dense"}, "gelu",
-           ("BertIntermediate", "BertOutput"), {"up": "intermediate.dense", "down": "output.dense"}, positions="absolute",
-           activation="gelu"),
+           ("BertIntermediate", "BertOutput"), {"up": "intermediate.dense", "down": "output.dense"},
+           dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=64,
+                max_position_embeddings=64, type_vocab_size=2, pad_token_id=0, hidden_dropout_prob=0.0,
+                attention_probs_dropout_prob=0.0, is_decoder=True),
+           positions="absolute", activation="gelu", layers="layer", attention_path="attention", bias="all",
+           post_norm=True, count_sizes=_COUNT_ENCODER),
     Family("gpt_neox", "interleaved_qkv", ("GPTNeoXAttention",), {"qkv": "query_key_value", "o": "dense"}, "gelu",
-           ("GPTNeoXMLP",), {"up": "dense_h_to_4h", "down": "dense_4h_to_h"}, activation="gelu"),
+           ("GPTNeoXMLP",), {"up": "dense_h_to_4h", "down": "dense_4h_to_h"},
+           dict(_NEOX_LIKE, intermediate_size=64,
+                rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)),
+           activation="gelu", layers="layers", attention_path="attention", mlp_path="mlp",
+           fused={"attention.query_key_value": FusedLayout(("q", "k", "v"), 0, "per_head")}, bias="all",
+           count_sizes=_COUNT_ENCODER),
     Family("falcon", "falcon", ("FalconAttention",), {"qkv": "query_key_value", "o": "dense"}, "gelu",
-           ("FalconMLP",), {"up": "dense_h_to_4h", "down": "dense_4h_to_h"}, activation="gelu"),
-    _llama_like("mixtral", "Mixtral", mlp="moe"),
-    _llama_like("qwen2_moe", "Qwen2Moe", mlp="moe", shared=True),
-    _llama_like("olmoe", "Olmoe", mlp="moe", qk_norm="full"),
+           ("FalconMLP",), {"up": "dense_h_to_4h", "down": "dense_4h_to_h"}, _NEOX_LIKE, activation="gelu",
+           layers="h", attention_path="self_attention", mlp_path="mlp",
+           fused={"self_attention.query_key_value": FusedLayout(("q", "k", "v"), 0, "falcon")},
+           not_counted="its attention takes an ALiBi/rotary switch and casts ALiBi to bfloat16; "
+                       "supported by continuity naming only"),
+    llama_like("mixtral", "Mixtral", mlp="moe", renorm=True, tiny=dict(TINY_DECODER, num_local_experts=4, **_TOP2),
+                count=dict(_COUNT_MOE, num_local_experts=3),
+                expert_files={"gate": "block_sparse_moe.experts.{e}.w1", "up": "block_sparse_moe.experts.{e}.w3",
+                              "down": "block_sparse_moe.experts.{e}.w2"}),
+    llama_like("qwen2_moe", "Qwen2Moe", mlp="moe", shared=True, bias="qkv", expert_files=_PER_EXPERT,
+                tiny=dict(TINY_DECODER, num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=32,
+                          decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False, **_TOP2),
+                count=dict(_COUNT, num_experts=3, moe_intermediate_size=3, shared_expert_intermediate_size=4)),
+    # block_laws: the decoder-block count is derived for RMSNorm blocks without QK-norm coupling (not OLMoE)
+    llama_like("olmoe", "Olmoe", mlp="moe", qk_norm="full", block_laws=False, expert_files=_PER_EXPERT,
+                tiny=dict(TINY_DECODER, num_experts=4, **_TOP2), count=dict(_COUNT_MOE, num_experts=3)),
 )}
+FUSED: dict[str, dict[str, FusedLayout]] = {mt: dict(f.fused) for mt, f in FAMILIES.items() if f.fused}
+"""model_type -> {path inside a decoder layer (without .weight/.bias): layout}. Falcon's
+``falcon`` arrangement is resolved by :func:`fused_rows` from the config (multi-query:
+concat (H, 1, 1); new architecture: grouped; else per_head)."""
 
 
 def family(model_type: str) -> Family:
@@ -162,46 +288,6 @@ def attention_heads(config: Any, fam: Family) -> tuple[int, int, int]:
     else:
         kv = _cfg(config, "num_key_value_heads", default=H)
     return int(H), int(kv), int(hd)
-
-
-# --------------------------------------------------------------- fused projections (data)
-
-
-@dataclass(frozen=True)
-class FusedLayout:
-    """How one fused weight splits into roles.
-
-    ``axis``: the weight axis that holds the fused outputs (0 for ``nn.Linear``
-    rows, 1 for GPT-2 ``Conv1D`` columns; the bias always on axis 0 of its
-    own). ``arrangement``: ``concat`` (role blocks one after the other, sizes
-    from ``units`` in head_dim units: "H" query heads, "G" K/V heads, or
-    "half" of the axis), ``per_head`` (viewed as (H, 3, head_dim): q, k, v of
-    head h), ``grouped`` (Falcon new architecture: (G, H/G + 2, head_dim)).
-    MoE experts (E, 2m, d) fuse gate|up on axis 1, experts on axis 0.
-    """
-
-    roles: tuple[str, ...]
-    axis: int
-    arrangement: str
-    units: tuple[str, ...] = ()
-
-
-_QKV_CONCAT = FusedLayout(("q", "k", "v"), 0, "concat", ("H", "G", "G"))
-_GATE_UP = FusedLayout(("gate", "up"), 0, "concat", ("half", "half"))
-_EXPERTS_GATE_UP = FusedLayout(("gate", "up"), 1, "concat", ("half", "half"))
-
-FUSED: dict[str, dict[str, FusedLayout]] = {
-    "phi3": {"self_attn.qkv_proj": _QKV_CONCAT, "mlp.gate_up_proj": _GATE_UP},
-    "gpt2": {"attn.c_attn": FusedLayout(("q", "k", "v"), 1, "concat", ("H", "H", "H"))},
-    "gpt_neox": {"attention.query_key_value": FusedLayout(("q", "k", "v"), 0, "per_head")},
-    "falcon": {"self_attention.query_key_value": FusedLayout(("q", "k", "v"), 0, "falcon")},
-    "mixtral": {"mlp.experts.gate_up_proj": _EXPERTS_GATE_UP},
-    "qwen2_moe": {"mlp.experts.gate_up_proj": _EXPERTS_GATE_UP},
-    "olmoe": {"mlp.experts.gate_up_proj": _EXPERTS_GATE_UP},
-}
-"""model_type -> {path inside a decoder layer (without .weight/.bias): layout}. Falcon's
-``falcon`` arrangement is resolved by :func:`fused_rows` from the config (multi-query:
-concat (H, 1, 1); new architecture: grouped; else per_head)."""
 
 
 def qkv_ranges(arrangement: str, part: str, heads: int, kv: int, head_dim: int) -> tuple[tuple[int, int], ...]:

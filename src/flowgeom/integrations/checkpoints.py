@@ -24,7 +24,6 @@ weights, else from ``optimizer_kind``.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import warnings
@@ -37,6 +36,7 @@ import torch
 from torch import nn
 
 from flowgeom.errors import FlowgeomError, shown
+from flowgeom.files import read_json_object
 from flowgeom.laws.verdict import HELD_THRESHOLD, KINDS, info_of_kind
 
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
@@ -65,11 +65,11 @@ def _step_of(path: Path) -> int | None:
     state = folder / "trainer_state.json"
     if state.is_file():
         try:
-            step = json.loads(state.read_text()).get("global_step")
+            step = read_json_object(state, fix="re-save the checkpoint").get("global_step")
             if isinstance(step, int):
                 return step
-        except (OSError, ValueError, AttributeError):
-            pass  # a damaged trainer_state.json: fall back to the folder's name
+        except FlowgeomError:
+            pass  # a damaged (or non-regular) trainer_state.json: fall back to the folder's name
     m = re.fullmatch(r"checkpoint-(\d+)", path.name if path.is_dir() else path.parent.name)
     return int(m.group(1)) if m else None
 
@@ -143,12 +143,10 @@ def _files(ck: Checkpoint) -> list[Path]:
     if (ck.path / "model.safetensors").is_file():
         return [ck.path / "model.safetensors"]
     index = ck.path / "model.safetensors.index.json"
-    try:
-        weight_map = json.loads(index.read_text()).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ValueError("no weight_map object")
-    except (OSError, ValueError, AttributeError) as exc:
-        raise FlowgeomError(f"{shown(index)} is not a readable shard index ({exc}); re-save the checkpoint") from exc
+    weight_map = read_json_object(index, fix="re-save the checkpoint").get("weight_map")  # never a FIFO
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise FlowgeomError(f"{shown(index)} is not a shard index (no weight_map of file names); re-save the "
+                            "checkpoint")
     files = [ck.path / f for f in sorted(set(weight_map.values()))]
     missing = [f for f in files if not f.is_file()]
     if missing:
@@ -209,13 +207,13 @@ def _tied(model: nn.Module) -> set[str]:
 
 def _saved_optimizer(ck: Checkpoint) -> str | None:
     """The optimiser kind a ConservationCallback saved next to the weights, if any."""
-    from flowgeom.integrations.session import STATE_FILE
+    from flowgeom.integrations.session import STATE_FILE, read_state
     from flowgeom.runs import decode_checkpoint
 
     f = (ck.path if ck.path.is_dir() else ck.path.parent) / STATE_FILE
     if not f.is_file():
         return None
-    state = decode_checkpoint(f.read_bytes(), source=str(f))
+    state = decode_checkpoint(read_state(f), source=str(f))
     kind = (state.get("optimizer") or {}).get("kind")
     return kind if kind in KINDS else None
 
@@ -229,10 +227,13 @@ def checkpoint_drift(paths: Sequence[str | os.PathLike], *, config: str | os.Pat
 
     if optimizer_kind is not None and optimizer_kind not in KINDS:
         raise FlowgeomError(f"unknown optimiser kind {optimizer_kind!r}; choose one of: {', '.join(KINDS)}")
+    inputs = [*paths, *([config] if config is not None else [])]
     if figure is not None:
         from flowgeom.report.figures import check_figure_path
+        from flowgeom.runs import check_out_file
 
         check_figure_path(figure)
+        check_out_file(figure, "--figure", inputs=inputs)  # never into a checkpoint folder it reads
     series = resolve(paths, config)
     first = series[0]
     cfg0 = _load_config(first)
@@ -269,6 +270,6 @@ def checkpoint_drift(paths: Sequence[str | os.PathLike], *, config: str | os.Pat
 
         history = [{k: v for k, v in r.items() if k == "step" or ("@" not in k and isinstance(v, float))}
                    for r in records]
-        plot_drift(history, figure, title=f"{out['model_type']}: drift from {first.path.name}")
+        plot_drift(history, figure, title=f"{out['model_type']}: drift from {first.path.name}", inputs=inputs)
         out["figure"] = str(figure)
     return out

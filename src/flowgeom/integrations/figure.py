@@ -9,11 +9,9 @@ behind the figure, not the file's size.
 
 from __future__ import annotations
 
-import io
 import math
 import os
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 Series = dict[str, tuple[list[int], list[float]]]
@@ -33,10 +31,14 @@ def drift_series(history: Sequence[Mapping[str, Any]]) -> dict[str, Series]:
     return out
 
 
-def plot_drift(history: Sequence[Mapping[str, Any]], path: str | os.PathLike, *, title: str) -> dict[str, Series]:
-    """Write the figure of ``history`` (per-family records) to ``path`` (PNG, PDF, SVG…, atomic); returns what it drew."""
+def plot_drift(history: Sequence[Mapping[str, Any]], path: str | os.PathLike, *, title: str,
+               inputs: Sequence[str | os.PathLike] = ()) -> dict[str, Series]:
+    """Write the figure of ``history`` (per-family records) to ``path`` (PNG, PDF, SVG…, atomic); returns what it drew.
+
+    ``path`` is refused when it is, or lies inside, one of ``inputs`` (the checkpoints read).
+    """
     from flowgeom.report.figures import _figure, check_figure_path
-    from flowgeom.runs import atomic_write_bytes
+    from flowgeom.runs import atomic_write_figure
 
     path = check_figure_path(path)
     series = drift_series(history)
@@ -62,7 +64,6 @@ def plot_drift(history: Sequence[Mapping[str, Any]], path: str | os.PathLike, *,
     ax.set_ylabel("ε (relative change since θ_0)")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=6, ncol=2)
-    buf = io.BytesIO()  # in the format the extension names (report.figures.save writes PNG whatever the name)
-    fig.savefig(buf, format=Path(path).suffix.lstrip(".").lower(), dpi=110, bbox_inches="tight")
-    atomic_write_bytes(path, buf.getvalue())
+    # in the format the extension names (report.figures.save writes PNG whatever the name)
+    atomic_write_figure(path, fig, inputs=inputs, dpi=110, bbox_inches="tight")
     return series

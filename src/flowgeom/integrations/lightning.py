@@ -30,7 +30,7 @@ from typing import Any
 
 from lightning.pytorch.callbacks import Callback
 
-from flowgeom.errors import FlowgeomError
+from flowgeom.errors import FlowgeomError, positive_int
 from flowgeom.integrations.session import MonitorSession
 from flowgeom.laws.verdict import HELD_THRESHOLD
 
@@ -41,8 +41,7 @@ class ConservationLightningCallback(Callback):
     def __init__(self, *, every: int = 1, out: str | os.PathLike | None = None, threshold: float = HELD_THRESHOLD,
                  predict: str = "auto", optimizer_kind: str | None = None, rebase: bool = False, csv: bool = True,
                  figure: bool = True, writers: tuple = (), **monitor_kwargs: Any):
-        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
-            raise FlowgeomError(f"every must be a positive integer, got {every!r}")
+        positive_int(every, "every", fix="measure every N >= 1 steps")
         self.every, self.out, self.threshold, self.predict = every, out, threshold, predict
         self.optimizer_kind, self.rebase, self.csv, self.figure = optimizer_kind, rebase, csv, figure
         self.writers, self.monitor_kwargs = tuple(writers), monitor_kwargs

@@ -36,12 +36,19 @@ import torch
 from torch import nn
 
 from flowgeom.errors import FlowgeomError, shown
+from flowgeom.files import read_regular
 from flowgeom.laws.locate import FlowgeomWarning
 from flowgeom.laws.monitor import ConservationMonitor
 from flowgeom.laws.predict import DriftPredictor, hyper_of
 from flowgeom.laws.verdict import HELD_THRESHOLD, KINDS, describe_optimizer, info_of_kind, unwrap_optimizer
 
 STATE_FILE = "flowgeom_monitor.safetensors"
+MAX_STATE = 2**36  # bytes of a saved monitor state (θ_0 of the measured parameters)
+
+
+def read_state(path: Path) -> bytes:
+    """The bytes of a saved monitor state: a regular file of at most :data:`MAX_STATE` bytes (never a FIFO)."""
+    return read_regular(path, STATE_FILE, limit=MAX_STATE, fix="delete it, or pass rebase=True to start a new θ_0")
 PREDICT_CHOICES = ("auto", "on", "off")
 
 
@@ -211,7 +218,7 @@ class MonitorSession:
                                 "was checkpointed without the callback (or resumed from elsewhere: pass "
                                 "resume_from=CHECKPOINT_DIR); resume from a checkpoint it saved, or pass "
                                 "rebase=True to take the resumed weights as a new θ_0")
-        state = decode_checkpoint(path.read_bytes(), source=str(path))
+        state = decode_checkpoint(read_state(path), source=str(path))
         if state.get("fingerprint") != self.monitor.fingerprint():
             raise FlowgeomError(f"the monitor state in {shown(folder)} was saved for another model (its laws or "
                                 "parameter shapes differ): refused; resume with the model it was saved for, or "
@@ -259,7 +266,7 @@ class MonitorSession:
 
     def finish(self, *, title: str = "") -> dict[str, Any]:
         """Summary, ``summary.json`` and the figure in ``out`` (when given); closes the writers."""
-        from flowgeom.runs import atomic_write_json
+        from flowgeom.runs import atomic_write_json, out_folder
 
         try:
             out = self.summary()
@@ -267,12 +274,12 @@ class MonitorSession:
                 if self.figure and self.history:
                     from flowgeom.integrations.figure import plot_drift
 
-                    fig = self.out / "figures" / "conservation.png"
+                    fig = out_folder(self.out, self.out / "figures", "figures folder") / "conservation.png"
                     # the summary line without its prefix, on two lines (a figure title does not wrap by itself)
                     wrapped = textwrap.wrap(out["line"].removeprefix("flowgeom: "), 100)
                     plot_drift(self.history, fig, title=title or "\n".join(wrapped[:2]) + (" …" if wrapped[2:] else ""))
                     out["figure"] = str(fig)
-                atomic_write_json(self.out / "summary.json", out)
+                atomic_write_json(self.out / "summary.json", out, root=self.out)
             return out
         finally:
             for w in self.writers:

@@ -39,7 +39,7 @@ from typing import Any
 from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler
 
-from flowgeom.errors import FlowgeomError
+from flowgeom.errors import FlowgeomError, positive_int
 from flowgeom.integrations.session import STATE_FILE, MonitorSession
 from flowgeom.laws.locate import FlowgeomWarning
 from flowgeom.laws.verdict import HELD_THRESHOLD
@@ -61,8 +61,7 @@ class ConservationCallback(TrainerCallback):
                  predict: str = "auto", optimizer_kind: str | None = None, rebase: bool = False, csv: bool = True,
                  figure: bool = True, writers: tuple = (), resume_from: str | os.PathLike | None = None,
                  **monitor_kwargs: Any):
-        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
-            raise FlowgeomError(f"every must be a positive integer, got {every!r}")
+        positive_int(every, "every", fix="measure every N >= 1 steps")
         self.every, self.out, self.threshold, self.predict = every, out, threshold, predict
         self.resume_from = resume_from
         self.optimizer_kind, self.rebase, self.csv, self.figure = optimizer_kind, rebase, csv, figure

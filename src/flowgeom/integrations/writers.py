@@ -22,6 +22,7 @@ their writer (the ``integrations`` extra).
 from __future__ import annotations
 
 import csv
+import io
 import math
 import os
 import tempfile
@@ -30,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from flowgeom.errors import FlowgeomError, shown
+from flowgeom.files import read_text
+from flowgeom.runs import open_append
 
 EXTRA = "pip install 'flowgeom[integrations]'"
 
@@ -96,7 +99,7 @@ class CSVWriter(_Writer):
         check_writable_dir(path.parent, "CSV folder")
         new = not path.exists() or path.stat().st_size == 0
         self.path, self.per_block = path, per_block
-        self._fh = path.open("a", newline="")
+        self._fh = open_append(path, newline="")  # never through a planted link, never a FIFO
         self._csv = csv.writer(self._fh)
         if new:
             self._csv.writerow(["step", "key", "value"])
@@ -116,9 +119,9 @@ class CSVWriter(_Writer):
 def read_csv(path: str | os.PathLike) -> dict[int, dict[str, float]]:
     """``{step: {key: value}}`` of a :class:`CSVWriter` file."""
     out: dict[int, dict[str, float]] = {}
-    with Path(path).open(newline="") as fh:
-        for row in csv.DictReader(fh):
-            out.setdefault(int(row["step"]), {})[row["key"]] = float(row["value"])
+    text = read_text(path, "CSV file", fix="pass a file written by CSVWriter", limit=2**30)  # never a FIFO
+    for row in csv.DictReader(io.StringIO(text, newline="")):
+        out.setdefault(int(row["step"]), {})[row["key"]] = float(row["value"])
     return out
 
 

@@ -61,7 +61,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from flowgeom.errors import FlowgeomError, finite_number
+from flowgeom.errors import FlowgeomError, finite_number, positive_int
 from flowgeom.langevin.regularizers import GradTransform
 
 Schedule = float | Callable[[int], float]
@@ -280,9 +280,7 @@ class Langevin(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.foreach = bool(foreach)
         self.check_finite = bool(check_finite)
-        if int(check_every) < 1:
-            raise FlowgeomError(f"check_every must be >= 1, got {check_every}")
-        self.check_every = int(check_every)
+        self.check_every = positive_int(check_every, "Langevin check_every", fix="check the weights every N >= 1 steps")
         self.grad_transform = grad_transform
         self.step_count = 0
         if generator is None:

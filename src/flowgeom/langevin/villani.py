@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flowgeom.errors import FlowgeomError
+from flowgeom.errors import FlowgeomError, positive_int
 from flowgeom.langevin.losses import Objective
 
 VERDICTS = ("holds", "fails", "inconclusive")
@@ -237,8 +237,9 @@ def probe(obj: Objective, *, temperature: float = 1.0, rays: int = 3, r_max: flo
         raise FlowgeomError(f"r_max must be > 10 to probe behaviour at infinity, got {r_max!r}")
     if not r_ext > r_max:
         raise FlowgeomError(f"r_ext must exceed r_max, got r_ext={r_ext!r}, r_max={r_max!r}")
-    if rays < 1 or points < 4:
-        raise FlowgeomError(f"need rays >= 1 and points >= 4, got rays={rays}, points={points}")
+    positive_int(rays, "rays")
+    if points < 4:
+        raise FlowgeomError(f"need points >= 4 along each ray, got points={points}")
     g = torch.Generator().manual_seed(seed)
     exact = obj.dim <= exact_max_dim
     theta0 = torch.randn(obj.dim, generator=g, dtype=torch.float64)
@@ -282,8 +283,10 @@ def probe(obj: Objective, *, temperature: float = 1.0, rays: int = 3, r_max: flo
 
 
 def plot(report: VillaniReport, path) -> None:
-    """Save ``V`` and ``Q`` against the radius for every probed path (matplotlib, Agg)."""
+    """Save ``V`` and ``Q`` against the radius for every probed path (matplotlib, Agg; atomic)."""
     from matplotlib.figure import Figure  # object API: no pyplot, no global backend switch
+
+    from flowgeom.runs import atomic_write_figure
 
     fig = Figure(figsize=(10, 4))
     ax_v, ax_q = fig.subplots(1, 2)
@@ -299,4 +302,4 @@ def plot(report: VillaniReport, path) -> None:
         ax.legend(fontsize=7)
     fig.suptitle(f"Villani probe: {report.objective} + {report.regularizer} (s={report.temperature:g}) → {report.verdict}")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    atomic_write_figure(path, fig, dpi=100)

@@ -41,84 +41,23 @@ numeric engine (:func:`flowgeom.laws.count`) measures them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-from flowgeom.laws.batched import Batch, gram_diff, rownorm_diff, sq_norm
+from flowgeom.laws.batched import Batch, gram_diff, rownorm_diff
+from flowgeom.laws.attention import zoo_attention_entry
+from flowgeom.laws.law import CatalogueEntry, Law, Params, join, norm_control, upper
 from flowgeom.nn.attention import MultiHeadAttention
 from flowgeom.nn.feedforward import FeedForward, LinearChain, SwiGLU
 from flowgeom.nn.moe import MixtureOfExperts
 
-Params = Mapping[str, Tensor]
-
-
-@dataclass(frozen=True)
-class Law:
-    """One family of conserved (or claimed/control) quantities of a block.
-
-    ``evaluate(params)`` returns a vector of ``count`` scalars; ``params``
-    maps full parameter names (with the block prefix) to tensors. ``batch``
-    (optional) is the same law in vectorised form, used by the monitor to
-    evaluate all same-shaped laws at once (:mod:`flowgeom.laws.batched`).
-    """
-
-    family: str
-    name: str
-    formula: str
-    count: int
-    params: tuple[str, ...]
-    fn: Callable[[Params], Tensor] = field(repr=False, compare=False)
-    status: str = "law"  # "law" | "control" (not conserved) | "refuted" (claimed, measured false)
-    note: str = ""
-    batch: Batch | None = field(default=None, repr=False, compare=False)
-    block: str = ""  # module path of the block the law belongs to (set by locate; "" = from the parameter names)
-    degree: int = 2  # h(sθ) = s^degree·h(θ); 1: a *linear* law, kept exactly by every discrete GD step
-
-    def evaluate(self, params: Params) -> Tensor:
-        return self.fn(params)
-
-
-@dataclass(frozen=True)
-class CatalogueEntry:
-    """Everything the catalogue says about one model: laws, controls, refuted claims."""
-
-    laws: tuple[Law, ...]
-    controls: tuple[Law, ...]
-    refuted: tuple[Law, ...]
-    notes: tuple[str, ...] = ()
-
-    @property
-    def count(self) -> int:
-        return sum(law.count for law in self.laws)
-
-
-def _upper(m: Tensor) -> Tensor:
-    """Upper triangle (diagonal included) of a square matrix, as a vector."""
-    i, j = torch.triu_indices(m.shape[0], m.shape[1])
-    return m[i, j]
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
-def norm_control(prefix: str, pname: str, label: str) -> Law:
-    """‖prefix.pname‖²_F as a *control*: a quantity that is not conserved, so the check can be seen failing."""
-    full = _join(prefix, pname)
-    return Law(
-        family="control", name=f"‖{full}‖²_F", formula=f"‖{label}‖²_F (not conserved)", count=1, params=(full,),
-        fn=lambda p: (p[full] ** 2).sum().reshape(1), status="control",
-        batch=Batch(sq_norm, lambda p: (p[full][None],)),
-    )
-
-
 def _rescale_law(prefix: str, family: str, up: str, down: str, bias: str | None, width: int) -> Law:
     """‖up[i,:]‖² (+ bias_i²) − ‖down[:,i]‖² for each hidden unit i (positive rescaling)."""
-    up, down = _join(prefix, up), _join(prefix, down)
-    bias = _join(prefix, bias) if bias else None
+    up, down = join(prefix, up), join(prefix, down)
+    bias = join(prefix, bias) if bias else None
 
     def fn(p: Params) -> Tensor:
         h = (p[up] ** 2).sum(1) - (p[down] ** 2).sum(0)  # (width,)
@@ -142,13 +81,13 @@ def _ffn(m: FeedForward, prefix: str) -> CatalogueEntry:
     if m.activation == "relu":
         return CatalogueEntry((_rescale_law(prefix, "relu.rescale", "up_proj.weight", "down_proj.weight", bias, m.d_hidden),), controls, ())
     if m.activation == "identity":
-        up, down = _join(prefix, "up_proj.weight"), _join(prefix, "down_proj.weight")
-        b = _join(prefix, bias) if bias else None
+        up, down = join(prefix, "up_proj.weight"), join(prefix, "down_proj.weight")
+        b = join(prefix, bias) if bias else None
         r = m.d_hidden
 
         def fn(p: Params) -> Tensor:
             v = torch.cat([p[up], p[b][:, None]], dim=1) if b else p[up]  # (r, d_in[+1])
-            return _upper(v @ v.T - p[down].T @ p[down])  # (r(r+1)/2,)
+            return upper(v @ v.T - p[down].T @ p[down])  # (r(r+1)/2,)
 
         def operands(p: Params) -> tuple[Tensor, ...]:
             v = torch.cat([p[up], p[b][:, None]], dim=1) if b else p[up]  # (r, d_in[+1])
@@ -171,55 +110,16 @@ def swiglu_laws(prefix: str, m: SwiGLU) -> tuple[Law, ...]:
 
 
 def attention_laws(m: MultiHeadAttention, prefix: str) -> CatalogueEntry:
-    """Per-head Q/K (or RoPE block) and V/O laws of ``m``; ``m`` needs only d_k, d_v, n_heads, positions."""
-    q, k = _join(prefix, "q_proj.weight"), _join(prefix, "k_proj.weight")
-    v, o = _join(prefix, "v_proj.weight"), _join(prefix, "o_proj.weight")
-    dk, dv, H = m.d_k, m.d_v, m.n_heads
-    laws: list[Law] = []
-    for i in range(H):
-        qs, vs = slice(i * dk, (i + 1) * dk), slice(i * dv, (i + 1) * dv)
-        if m.positions == "rope":
-            half = dk // 2
+    """Per-head Q/K (or RoPE block) and V/O laws of ``m``; ``m`` needs only d_k, d_v, n_heads, positions.
 
-            def qk(p: Params, qs=qs, half=half) -> Tensor:
-                qn = (p[q][qs] ** 2).sum(1) - (p[k][qs] ** 2).sum(1)  # (d_k,) row norms
-                return qn[:half] + qn[half:]  # block j = rows (j, j + d_k/2)
-
-            laws.append(Law(
-                family="attn.qk_rope", name=f"head {i}: ‖Q_{i}^(j)‖²_F − ‖K_{i}^(j)‖²_F",
-                formula=f"‖{q}[rows j, j+{half} of head {i}]‖²_F − same for {k}, j < {half}",
-                count=half, params=(q, k), fn=qk,
-                batch=Batch(rownorm_diff, lambda p, qs=qs: (p[q][qs][None], p[k][qs][None]), (half,)),
-            ))
-        else:
-            def qk(p: Params, qs=qs) -> Tensor:
-                Q, K = p[q][qs], p[k][qs]  # (d_k, d_model)
-                return _upper(Q @ Q.T - K @ K.T)
-
-            laws.append(Law(
-                family="attn.qk", name=f"head {i}: Q_{i}Q_{i}ᵀ − K_{i}K_{i}ᵀ",
-                formula=f"Q_iQ_iᵀ − K_iK_iᵀ, Q_i = {q}[{qs.start}:{qs.stop}, :] (paper: Q_iᵀQ_i − K_iᵀK_i)",
-                count=dk * (dk + 1) // 2, params=(q, k), fn=qk,
-                batch=Batch(gram_diff, lambda p, qs=qs: (p[q][qs][None], p[k][qs][None])),
-            ))
-
-        def vo(p: Params, vs=vs) -> Tensor:
-            V, O = p[v][vs], p[o][:, vs]  # (d_v, d_model), (d_model, d_v)
-            return _upper(V @ V.T - O.T @ O)
-
-        laws.append(Law(
-            family="attn.vo", name=f"head {i}: V_{i}V_{i}ᵀ − O_{i}ᵀO_{i}",
-            formula=f"V_iV_iᵀ − O_iᵀO_i, V_i = {v}[{vs.start}:{vs.stop}, :], O_i = {o}[:, {vs.start}:{vs.stop}]",
-            count=dv * (dv + 1) // 2, params=(v, o), fn=vo,
-            batch=Batch(gram_diff, lambda p, vs=vs: (p[v][vs][None], p[o][:, vs].T[None])),
-        ))
-    controls = (norm_control(prefix, "q_proj.weight", "W_Q"),)
-    return CatalogueEntry(tuple(laws), controls, (), ("counts independent when d_k, d_v < d_model",))
+    The one attention implementation (:mod:`flowgeom.laws.attention`), with G = H and no bias.
+    """
+    return zoo_attention_entry(prefix, heads=m.n_heads, d_k=m.d_k, d_v=m.d_v, positions=m.positions)
 
 
 def _router_sum(m: MixtureOfExperts, prefix: str, status: str) -> Law:
-    w = _join(prefix, "router.weight")
-    b = _join(prefix, "router.bias") if m.router.bias is not None else None
+    w = join(prefix, "router.weight")
+    b = join(prefix, "router.bias") if m.router.bias is not None else None
 
     def fn(p: Params) -> Tensor:
         s = p[w].sum(0)  # (d_model,)
@@ -238,7 +138,7 @@ def _router_sum(m: MixtureOfExperts, prefix: str, status: str) -> Law:
 
 
 def _frozen_router(m: MixtureOfExperts, prefix: str) -> Law:
-    names = tuple(_join(prefix, f"router.{n}") for n, _ in m.router.named_parameters())
+    names = tuple(join(prefix, f"router.{n}") for n, _ in m.router.named_parameters())
     return Law(
         family="moe.router_frozen", name="every router weight (top-1: gate ≡ 1)",
         formula="router.weight[e, j] (and router.bias[e]) for all e, j: top-1 renormalised gates are ≡ 1, "
@@ -249,12 +149,12 @@ def _frozen_router(m: MixtureOfExperts, prefix: str) -> Law:
 
 
 def _moe(m: MixtureOfExperts, prefix: str) -> CatalogueEntry:
-    laws = [law for e, expert in enumerate(m.experts) for law in swiglu_laws(_join(prefix, f"experts.{e}"), expert)]
+    laws = [law for e, expert in enumerate(m.experts) for law in swiglu_laws(join(prefix, f"experts.{e}"), expert)]
     if m.top_k == 1:
         # Renormalising over one selected expert makes g ≡ 1: the router is frozen,
         # whatever the gate function (a degenerate case the seed does not discuss).
         # Control: every expert's gate norm together (a single expert may be selected by no sampled input).
-        gates = tuple(_join(prefix, f"experts.{e}.gate_proj.weight") for e in range(m.n_experts))
+        gates = tuple(join(prefix, f"experts.{e}.gate_proj.weight") for e in range(m.n_experts))
         controls = (Law(family="control", name="Σ_e ‖experts.e.gate_proj.weight‖²_F",
                         formula="Σ_e ‖gate_proj_e‖²_F (not conserved)", count=1, params=gates,
                         fn=lambda p: sum((p[g] ** 2).sum() for g in gates).reshape(1), status="control"),)
@@ -270,11 +170,11 @@ def _moe(m: MixtureOfExperts, prefix: str) -> CatalogueEntry:
 def _chain(m: LinearChain, prefix: str) -> CatalogueEntry:
     laws = []
     for l in range(len(m.layers) - 1):
-        a, b = _join(prefix, f"layers.{l}.weight"), _join(prefix, f"layers.{l + 1}.weight")
+        a, b = join(prefix, f"layers.{l}.weight"), join(prefix, f"layers.{l + 1}.weight")
         d = m.widths[l + 1]
 
         def fn(p: Params, a=a, b=b) -> Tensor:
-            return _upper(p[a] @ p[a].T - p[b].T @ p[b])  # (d(d+1)/2,)
+            return upper(p[a] @ p[a].T - p[b].T @ p[b])  # (d(d+1)/2,)
 
         laws.append(Law(family="linear.gram", name=f"W_{l}W_{l}ᵀ − W_{l + 1}ᵀW_{l + 1}",
                         formula=f"{a}·{a}ᵀ − {b}ᵀ·{b} ({d}×{d} symmetric)", count=d * (d + 1) // 2, params=(a, b), fn=fn,

@@ -21,8 +21,8 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call  # forward only; reverse mode below is plain torch.autograd
 
-from flowgeom.errors import FlowgeomError
-from flowgeom.laws.catalogue import Law
+from flowgeom.errors import FlowgeomError, positive_int
+from flowgeom.laws.law import Law
 
 DEFAULT_TOLERANCE = 1e-10
 
@@ -159,8 +159,8 @@ def check(model: nn.Module, laws: Sequence[Law], *, n_fields: int = 64, n_points
     θ + N(0, mean|θ_p|²) per parameter tensor. ``n_fields`` random (x, c)
     pairs per point. A law passes when its largest violation ≤ ``tolerance``.
     """
-    if n_fields < 1 or n_points < 1:
-        raise FlowgeomError(f"n_fields and n_points must be ≥ 1, got {n_fields} and {n_points}")
+    positive_int(n_fields, "n_fields")
+    positive_int(n_points, "n_points")
     gen = torch.Generator().manual_seed(seed)
     base, buffers = _state(model, dtype)
     worst = {id(law): 0.0 for law in laws}

@@ -39,27 +39,12 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from flowgeom.errors import FlowgeomError
+from flowgeom.errors import FlowgeomError, InputError, positive_int
 from flowgeom.laws.fields import FieldModel, Sampler, draw_inputs, generator, module_sampler, shape_sampler
 from flowgeom.laws.precision import assess, eager_attention, gap_notes, tolerance_for
-from flowgeom.memory import available_memory
+from flowgeom.memory import require as require_memory
 
 DEFAULT_TOL = {torch.float64: 1e-9, torch.float32: 1e-4}
-
-
-class InputError(FlowgeomError):
-    """A problem whose fix depends on where the user is: an argument in Python, a flag on the CLI.
-
-    ``str(exc)`` names the Python fix (``input_shape=(4, 8)``); the CLI re-raises
-    :meth:`for_cli`, which names the flag (``--input-shape 4,8``) instead.
-    """
-
-    def __init__(self, problem: str, *, python_fix: str, cli_fix: str):
-        super().__init__(f"{problem}; {python_fix}")
-        self.problem, self.cli_fix = problem, cli_fix
-
-    def for_cli(self) -> FlowgeomError:
-        return FlowgeomError(f"{self.problem}; {self.cli_fix}")
 
 
 def input_sampler(module: nn.Module, sample_input: Sampler | None, input_shape) -> Sampler:
@@ -337,31 +322,42 @@ def probe_output(model: FieldModel, theta: torch.Tensor, sampler: Sampler, gener
     return y.shape
 
 
+@dataclass(frozen=True)
+class Draws:
+    """How the fields were drawn so far: how many, and whether every block ran vmapped."""
+
+    count: int = 0
+    vectorised: bool = True
+
+    def then(self, n: int, vectorised: bool) -> Draws:
+        return Draws(self.count + n, self.vectorised and vectorised)
+
+
 class FieldSource:
-    """Random draws of depth-k brackets at θ, in blocks, vmapped (loop fallback)."""
+    """Random draws of depth-k brackets at θ, in blocks, vmapped (loop fallback). Holds no state but the generator's."""
 
     def __init__(self, model: FieldModel, theta, sampler, out_shape, generator, *, per_field, dtype, device):
         self.model, self.theta, self.sampler, self.out_shape = model, theta, sampler, out_shape
         self.per_field = per_field
         self.generator, self.dtype, self.device = generator, dtype, device
-        self.vectorised, self.draws = True, 0
 
-    def block(self, depth: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def block(self, depth: int, n: int, *, vectorise: bool = True) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """(fields, scales, vmapped): ``vectorise=False`` skips a vmap already seen failing on this module."""
         p = self.per_field if depth == 0 else max(1, self.per_field // 8)  # brackets mix generators already
         xs = draw_inputs(self.sampler, n, depth + 1, p, self.generator, dtype=self.dtype, device=self.device)
         cs = torch.randn(n, depth + 1, p, *self.out_shape, generator=self.generator, dtype=torch.float64)
         cs = cs.to(device=self.device, dtype=self.dtype)
-        self.draws += n
         d = self.theta.numel()
         chunk = max(1, int(2**27 // (8 * p * d * 3 ** depth)))
         out = None
-        if self.vectorised:
+        if vectorise:
             try:
                 out = self.model.draw(self.theta, depth, xs, cs, chunk=chunk)
             except FlowgeomError:
                 raise
             except Exception:  # some op has no vmap rule: fall back to a loop over draws
-                self.vectorised = False
+                pass
+        vmapped = out is not None
         if out is None:
             fn = self.model.nested(depth)
             try:
@@ -376,14 +372,14 @@ class FieldSource:
             out = torch.stack([v for v, _ in pairs]), torch.stack([s for _, s in pairs])
         require_finite(out[0], f"the depth-{depth} fields (gradients{' and brackets' if depth else ''})")
         require_finite(out[1], f"the depth-{depth} field scales")
-        return out
+        return out[0], out[1], vmapped
 
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total): e.g. ("depth 1", rank so far, D)
 
 
-def _grow_level(span: SpanTracker, source: FieldSource, depth: int, *, block: int, patience: int, max_blocks: int,
-                progress: Progress | None = None) -> None:
+def _grow_level(span: SpanTracker, source: FieldSource, depth: int, draws: Draws, *, block: int, patience: int,
+                max_blocks: int, progress: Progress | None = None) -> Draws:
     """Draw blocks of depth-``depth`` brackets until ``patience`` consecutive draws add nothing.
 
     A block that does not fill up (``n − added ≥ patience``) is followed by a
@@ -393,33 +389,37 @@ def _grow_level(span: SpanTracker, source: FieldSource, depth: int, *, block: in
     saturated = False
     for _ in range(max_blocks):
         if span.rank == span.dim:
-            return
+            return draws
         n = patience if saturated else min(block, span.dim - span.rank + patience)
-        added = span.add(*source.block(depth, n))
+        fields, scales, vmapped = source.block(depth, n, vectorise=draws.vectorised)
+        draws = draws.then(n, vmapped)
+        added = span.add(fields, scales)
         if progress is not None:
             progress(f"rank of Lie(W), depth {depth}", span.rank, span.dim)
         if saturated and added == 0:
-            return
+            return draws
         saturated = n - added >= patience
+    return draws
 
 
 def lie_span(span: SpanTracker, source: FieldSource, generator: torch.Generator, *, max_depth: int, patience: int,
-             block: int, progress: Progress | None = None) -> list[int]:
+             block: int, progress: Progress | None = None) -> tuple[list[int], Draws]:
     """Grow ``span`` to Lie(W)(θ): depth 0 in basis form, then brackets in complement form; ranks by depth."""
     d = span.dim
-    _grow_level(span, source, 0, block=block, patience=patience, max_blocks=math.ceil(d / block) + 8, progress=progress)
+    draws = _grow_level(span, source, 0, Draws(), block=block, patience=patience, max_blocks=math.ceil(d / block) + 8,
+                        progress=progress)
     ranks = [span.rank]
     span.to_complement(generator)
     for depth in range(1, max_depth + 1):
         if span.rank == d:
             break
         before = span.rank
-        _grow_level(span, source, depth, block=min(block, 256), patience=patience, max_blocks=math.ceil(d / 256) + 8,
-                    progress=progress)
+        draws = _grow_level(span, source, depth, draws, block=min(block, 256), patience=patience,
+                            max_blocks=math.ceil(d / 256) + 8, progress=progress)
         ranks.append(span.rank)
         if span.rank == before:
             break
-    return ranks
+    return ranks, draws
 
 
 def count(
@@ -439,6 +439,7 @@ def count(
     check_precision: bool = True,
     input_shape: Sequence[int] | None = None,
     progress: Progress | None = None,
+    expected: int | None = None,
 ) -> CountResult:
     """Number of independent conservation laws of ``module`` at a random θ.
 
@@ -450,7 +451,7 @@ def count(
     ``"random"`` (a generic point on the module's scale) or ``"module"`` (its
     current weights). Raises FlowgeomError for a module without parameters, an
     input it rejects, or a D whose memory estimate exceeds ``max_memory``
-    (default: the free memory of ``device``). ``check_precision`` first measures
+    (default: :func:`flowgeom.memory.budget`, 80% of what ``device`` has free). ``check_precision`` first measures
     the fields' rounding noise (:mod:`flowgeom.laws.precision`): a module computing
     below ``dtype`` inside is reported, and without ``tol`` the tolerance follows
     the measured noise. ``progress(stage, done, total)`` is called after every block of
@@ -460,9 +461,10 @@ def count(
     device = torch.device(device)
     if at not in ("random", "module"):
         raise FlowgeomError(f"unknown point {at!r}; choose random or module")
-    if min(patience, block, per_field) < 1 or not 0 <= max_depth <= MAX_DEPTH:
-        raise FlowgeomError(f"patience, block and per_field must be >= 1 and 0 <= max_depth <= {MAX_DEPTH}, got "
-                            f"{patience}, {block}, {per_field} and max_depth {max_depth}")
+    for value, name in ((patience, "patience"), (block, "block"), (per_field, "per_field")):
+        positive_int(value, name)
+    if not 0 <= max_depth <= MAX_DEPTH:
+        raise FlowgeomError(f"max_depth must be between 0 and {MAX_DEPTH}, got {max_depth}")
     check_tolerance(tol, dtype)
     generator(seed)  # a bad seed is refused before any work
     work, sampler, frozen = prepare(module, sample_input, dtype=dtype, device=device, input_shape=input_shape)
@@ -470,54 +472,45 @@ def count(
     model = FieldModel(work)
     d = model.layout.size
     need = memory_estimate(d, block, bytes_per=torch.empty(0, dtype=dtype).element_size())
-    limit = max_memory if max_memory is not None else int(0.8 * available_memory(device))
-    if need > limit:
-        raise InputError(f"D = {d:,} parameters needs about {need / 2**30:.1f} GiB for the rank computation, "
-                         f"more than the {limit / 2**30:.1f} GiB available",
-                         python_fix="count a smaller instance or pass device='cuda'",
-                         cli_fix="count a smaller instance or use --device cuda")
+    require_memory(need, f"D = {d:,} parameters", device=device, limit=max_memory,
+                   fix="that is the rank computation's working set: count a smaller instance or pass device='cuda'",
+                   cli_fix="that is the rank computation's working set: count a smaller instance or use --device cuda")
     gen = torch.Generator().manual_seed(seed)
     params = random_point(work, gen) if at == "random" else dict(work.named_parameters())
     theta = model.layout.flatten({k: v.detach() for k, v in params.items()}).to(device=device, dtype=dtype)
     out_shape = probe_output(model, theta, sampler, gen, dtype=dtype, device=device)
     io = io_estimate(sampler, out_shape, block * per_field, bytes_per=torch.empty(0, dtype=dtype).element_size())
-    if io > limit:
-        raise InputError(f"the {block * per_field:,} inputs and output weights of one block need about {io / 2**30:.1f} GiB, "
-                         f"more than the {limit / 2**30:.1f} GiB available",
-                         python_fix="use a smaller input_shape or module output",
-                         cli_fix="use a smaller --input-shape or module output")
+    require_memory(io, f"one block of {block * per_field:,} inputs and output weights", device=device, limit=max_memory,
+                   fix="use a smaller input_shape or module output", cli_fix="use a smaller --input-shape or module output")
     source = FieldSource(model, theta, sampler, out_shape, gen, per_field=per_field, dtype=dtype, device=device)
     prec = assess(model, theta, sampler, out_shape, seed=seed, dtype=dtype, device=device, per_field=per_field) if check_precision else None
     default_tol = DEFAULT_TOL.get(dtype, 1e-6)
     tol_used = tol if tol is not None else tolerance_for(prec, default_tol) if prec is not None and prec.reduced else default_tol
     span = SpanTracker(d, tol=tol_used, dtype=dtype, device=device)
-    ranks = lie_span(span, source, gen, max_depth=max_depth, patience=patience, block=block, progress=progress)
+    ranks, draws = lie_span(span, source, gen, max_depth=max_depth, patience=patience, block=block, progress=progress)
     notes = switched + frozen_note(frozen) + gap_notes(span.gap(), prec, default_tol=default_tol,
                                                        tol_given=tol is not None)
     if max_depth == 0 and span.rank < d:
         notes.append("max_depth 0: no Lie brackets were taken, so this is D − dim W(θ), an upper bound on the laws")
     elif len(ranks) == max_depth + 1 and ranks[-1] != ranks[-2] and span.rank < d:
         notes.append(f"depth {max_depth} still added directions; raise max_depth for a sure count")
-    if not source.vectorised:
+    if not draws.vectorised:
         notes.append("torch.func.vmap failed on this module; fields were drawn one by one (slow path)")
     if span.rank == 0 and d > 0:
         notes.insert(0, DEGENERATE_NOTE)
     return CountResult(
-        parameters=d, rank=span.rank, laws=d - span.rank, ranks_by_depth=ranks, expected=_expected(module),
+        parameters=d, rank=span.rank, laws=d - span.rank, ranks_by_depth=ranks, expected=expected_laws(module, expected),
         seconds=time.perf_counter() - start, seed=seed, tolerance=span.tol, gap=span.gap(), dtype=str(dtype).replace("torch.", ""),
-        device=str(device), draws=source.draws, vectorised=source.vectorised, notes=notes,
+        device=str(device), draws=draws.count, vectorised=draws.vectorised, notes=notes,
         precision=prec.to_dict() if prec is not None else None,
     )
 
 
-def _expected(module: nn.Module) -> int | None:
-    """The catalogue's count for zoo modules, an ``hf:`` part's closed form (None elsewhere)."""
-    if isinstance(getattr(module, "expected_laws", None), int):  # flowgeom.laws.hf_target.HFPart
-        return module.expected_laws
-    if not hasattr(module, "arch_name"):
-        return None
-    try:
-        from flowgeom.laws.catalogue import expected_count
-    except ImportError:
-        return None
+def expected_laws(module: nn.Module, given: int | None = None) -> int | None:
+    """``given`` (a target's own expectation, e.g. an ``hf:`` closed form), else the catalogue's count
+    when ``module`` is one zoo block, else None."""
+    if given is not None or not type(module).__module__.startswith("flowgeom.nn."):
+        return given
+    from flowgeom.laws.catalogue import expected_count
+
     return expected_count(module)

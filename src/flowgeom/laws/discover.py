@@ -33,13 +33,16 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from flowgeom.errors import FlowgeomError
+from flowgeom.errors import FlowgeomError, InputError, positive_int
 from torch.func import vmap
 
-from flowgeom.laws.count import (DEFAULT_TOL, FieldSource, InputError, _expected, frozen_note, io_estimate, prepare,
+from flowgeom.laws.count import (DEFAULT_TOL, FieldSource, expected_laws, frozen_note, io_estimate, prepare,
                                  probe_output, random_point, require_finite)
 from flowgeom.laws.fields import FieldModel, ParamLayout, Sampler, draw_inputs, generator
-from flowgeom.memory import available_memory
+from flowgeom.memory import require as require_memory
+
+
+MEMORY_FIX = "use a smaller instance (fewer parameters) or `flowgeom laws count`, which only counts"
 
 
 @dataclass
@@ -131,8 +134,8 @@ def _candidates(ns: list[torch.Tensor], thetas: torch.Tensor, *, rel_tol: float)
     evals, evecs = torch.linalg.eigh(gram)
     scale = max(float(evals.abs().max()), 1e-300)
     z = evecs[:, evals <= rel_tol * scale]  # (n, m)
-    _require_memory(4 * 8 * z.shape[1] * d * (d + 1), int(0.8 * available_memory(torch.device("cpu"))),
-                    f"the {z.shape[1]:,} candidate laws (each a D × D matrix, D = {d})")
+    require_memory(4 * 8 * z.shape[1] * d * (d + 1), f"storing the {z.shape[1]:,} candidate laws (each a D × D "
+                   f"matrix, D = {d})", MEMORY_FIX)
     g = torch.zeros(z.shape[1], d, d + 1, dtype=thetas.dtype)  # (m, D, D+1) values g_i per candidate
     g.index_add_(2, pi, ncat.unsqueeze(0) * z.T.unsqueeze(1))
     u = g @ t  # (m, D, D+1) = [2A | b]
@@ -403,12 +406,6 @@ def complements_memory(d: int, points: int, sampler: Sampler, out_shape, *, chun
     return io + 8 * (c * (3 * n * d + n * n + d * d) + points * d * d)
 
 
-def _require_memory(need: int, limit: int, what: str) -> None:
-    if need > limit:
-        raise FlowgeomError(f"{what} need about {need / 2**30:.1f} GiB, more than the {limit / 2**30:.1f} GiB available; "
-                            "use a smaller instance (fewer parameters) or `flowgeom laws count`, which only counts")
-
-
 def _violation(laws, model, sampler, out_shape, gen, *, dtype, device) -> float:
     """Independent check: max |⟨∇h, X⟩| / (‖∇h‖ ‖X‖) over fresh points and fields."""
     worst = 0.0
@@ -434,6 +431,7 @@ def discover(
     max_parameters: int = 300,
     input_shape: Sequence[int] | None = None,
     progress=None,
+    expected: int | None = None,
 ) -> DiscoverResult:
     """A sparse basis of the polynomial laws θᵀAθ + bᵀθ (``degree`` 2) or bᵀθ (``degree`` 1).
 
@@ -444,8 +442,8 @@ def discover(
     start = time.perf_counter()
     if degree not in (1, 2):
         raise FlowgeomError(f"degree {degree!r} is not supported; choose 1 (linear) or 2 (quadratic) laws")
-    if extra_points < 1 or max_parameters < 1:
-        raise FlowgeomError(f"extra_points and max_parameters must be >= 1, got {extra_points} and {max_parameters}")
+    positive_int(extra_points, "extra_points")
+    positive_int(max_parameters, "max_parameters")
     generator(seed)  # a bad seed is refused before any work
     device = torch.device(device)
     work, sampler, frozen = prepare(module, sample_input, dtype=dtype, device=device, input_shape=input_shape)
@@ -463,23 +461,23 @@ def discover(
     theta0 = model.layout.flatten(random_point(work, gen)).to(device=device, dtype=dtype)
     out_shape = probe_output(model, theta0, sampler, gen, dtype=dtype, device=device)
     n_points = (d + 1 if degree == 2 else 1) + extra_points
-    limit = int(0.8 * available_memory(device))
-    _require_memory(complements_memory(d, n_points, sampler, out_shape), limit, f"the field complements of D = {d:,} parameters")
+    require_memory(complements_memory(d, n_points, sampler, out_shape),
+                   f"computing the field complements of D = {d:,} parameters", MEMORY_FIX, device=device)
     thetas = torch.stack([theta0] + [model.layout.flatten(random_point(work, gen)).to(device=device, dtype=dtype)
                                      for _ in range(n_points - 1)])  # (M, D)
     ns = _complements(model, thetas[:16], sampler, out_shape, gen, tol=tol, progress=progress,
                       total=n_points)  # first chunk: the size of the system
-    system = f"the symmetry system of about {{:,}} unknowns (D + 1 = {d + 1} points × the complement of W(θ))"
+    system = f"solving the symmetry system of about {{:,}} unknowns (D + 1 = {d + 1} points × the complement of W(θ))"
     if degree == 2:  # k_i is generic: the first points predict Σ k_i before the other D + 1 - 16 are drawn
         guess = (d + 1) * max(n.shape[1] for n in ns)
-        _require_memory(8 * 8 * guess**2, int(0.8 * available_memory(torch.device("cpu"))), system.format(guess))
+        require_memory(8 * 8 * guess**2, system.format(guess), MEMORY_FIX)
     ns += _complements(model, thetas[16:], sampler, out_shape, gen, tol=tol, progress=progress, offset=16,
                        total=n_points) if n_points > 16 else []
     if progress is not None:
         progress("solving the symmetry system", n_points, n_points)
     if degree == 2:
         unknowns = sum(n.shape[1] for n in ns[: d + 1])
-        _require_memory(8 * 8 * unknowns**2, int(0.8 * available_memory(torch.device("cpu"))), system.format(unknowns))
+        require_memory(8 * 8 * unknowns**2, system.format(unknowns), MEMORY_FIX)
         a, b = _candidates([n.cpu() for n in ns[: d + 1]], thetas[: d + 1].cpu(), rel_tol=1e-10)
     else:  # linear laws: b in the span of N_0, A = 0
         b = ns[0].T.cpu()
@@ -504,5 +502,5 @@ def discover(
         notes.append(f"largest violation {worst:.1e}: some laws may be approximate (near-laws)")
     if n_products:
         notes.append(f"{n_products} products of linear laws (also conserved) are left out of the basis")
-    return DiscoverResult(parameters=d, laws=laws, expected=_expected(module), max_violation=worst,
+    return DiscoverResult(parameters=d, laws=laws, expected=expected_laws(module, expected), max_violation=worst,
                           seconds=time.perf_counter() - start, seed=seed, points=n_points, notes=notes)

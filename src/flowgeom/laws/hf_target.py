@@ -58,63 +58,29 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from flowgeom.errors import FlowgeomError
-from flowgeom.laws.fields import module_sampler
+from flowgeom.hf.families import FAMILIES, attention_heads, rotary_dims
 from flowgeom.laws.precision import keep_dtype
-from flowgeom.laws.target import Target
 from flowgeom.limits import file_int
 
 PARTS = ("attention", "mlp", "moe", "block")
 SEQ_LEN = 4  # tokens per sampled input
 
-# initializer_range 0.5 (HF default 0.02): attention logits of order one, not a near-uniform softmax whose
-# brackets are tiny; count's random point keeps each tensor's scale.
-_SMALL_DECODER = dict(initializer_range=0.5, hidden_size=8, num_attention_heads=2, num_key_value_heads=2, head_dim=4,
-                      intermediate_size=6, num_hidden_layers=1, vocab_size=16, max_position_embeddings=32)
-
-
-_MOE_SIZES = dict(_SMALL_DECODER, intermediate_size=3)
-# Count-sized overrides of flowgeom.hf.tiny's configs. Which blocks a family has and their classes come
-# from the one family table, flowgeom.hf.families (FAMILIES[model_type].attention_classes / mlp_classes).
-SIZES: dict[str, dict[str, Any]] = {
-    "llama": _SMALL_DECODER,
-    "mistral": _SMALL_DECODER,
-    "qwen2": _SMALL_DECODER,
-    "qwen3": _SMALL_DECODER,
-    "gemma": _SMALL_DECODER,
-    "gemma2": dict(_SMALL_DECODER, query_pre_attn_scalar=4, sliding_window=32),
-    "phi3": _SMALL_DECODER,
-    "mixtral": dict(_MOE_SIZES, num_local_experts=3),
-    "qwen2_moe": dict(_SMALL_DECODER, num_experts=3, moe_intermediate_size=3, shared_expert_intermediate_size=4),
-    "olmoe": dict(_MOE_SIZES, num_experts=3),
-    "gpt2": dict(initializer_range=0.5, n_embd=8, n_head=2, n_inner=12, n_layer=1, vocab_size=16, n_positions=32),
-    "bert": dict(initializer_range=0.5, hidden_size=8, num_attention_heads=2, intermediate_size=12, num_hidden_layers=1,
-                 vocab_size=16, max_position_embeddings=32),
-    "gpt_neox": dict(initializer_range=0.5, hidden_size=8, num_attention_heads=2, intermediate_size=12,
-                     num_hidden_layers=1, vocab_size=16, max_position_embeddings=32),
-}
-NOT_COUNTED = {"falcon": "its attention takes an ALiBi/rotary switch and casts ALiBi to bfloat16; "
-                         "supported by continuity naming only"}
-
-
+# Count-sized overrides of the tiny configs and the families not counted: both from the one family table.
+SIZES: dict[str, dict[str, Any]] = {mt: dict(f.count_sizes) for mt, f in FAMILIES.items() if f.count_sizes is not None}
+NOT_COUNTED: dict[str, str] = {mt: f.not_counted for mt, f in FAMILIES.items() if f.not_counted}
 SUPPORTED = tuple(sorted(SIZES))
 _REFUSED_IMPL = ("attn_implementation", "_attn_implementation", "experts_implementation", "_experts_implementation")
 
 
-def _family(model_type: str):
-    from flowgeom.hf.families import FAMILIES
-
-    return FAMILIES[model_type]
-
-
 def _has_moe(model_type: str) -> bool:
-    return _family(model_type).mlp == "moe"
+    return FAMILIES[model_type].mlp == "moe"
 
 
 def parts_of(model_type: str) -> tuple[str, ...]:
@@ -207,9 +173,7 @@ def config_overrides(model_type: str, items: list[str] | None) -> dict[str, Any]
 
 def _check_heads(model_type: str, config: Any) -> None:
     """Head counts that transformers accepts but that fail later in the forward as a bare shape error."""
-    from flowgeom.hf.families import attention_heads
-
-    heads, kv, _ = attention_heads(config, _family(model_type))
+    heads, kv, _ = attention_heads(config, FAMILIES[model_type])
     if heads % kv:
         raise FlowgeomError(f"--config: {heads} query heads are not a multiple of {kv} key/value heads; pick "
                             f"num_key_value_heads among {[d for d in range(1, heads + 1) if heads % d == 0]}")
@@ -222,7 +186,7 @@ def _layer_parts(model: nn.Module, model_type: str) -> tuple[nn.Module, str, tup
     child names; the rotary embedding is the model's ``*RotaryEmbedding``
     module outside the layers (transformers 5 keeps it on the model).
     """
-    fam = _family(model_type)
+    fam = FAMILIES[model_type]
     for layer in model.modules():
         kids = dict(layer.named_children())
         attn = [n for n, c in kids.items() if type(c).__name__ in fam.attention_classes]
@@ -250,8 +214,7 @@ class HFPart(nn.Module):
     """
 
     def __init__(self, modules: dict[str, nn.Module], *, part: str, hidden: int, seq_len: int,
-                 rope: tuple[torch.Tensor, torch.Tensor] | None, causal: bool, keep_casts: bool = False,
-                 expected_laws: int | None = None):
+                 rope: tuple[torch.Tensor, torch.Tensor] | None, causal: bool, keep_casts: bool = False):
         super().__init__()
         self.part, self.hidden, self.seq_len, self.keep_casts = part, hidden, seq_len, keep_casts
         self.names = tuple(modules)
@@ -261,7 +224,6 @@ class HFPart(nn.Module):
         self.register_buffer("rope_cos", rope[0] if rope else None, persistent=False)  # (1, T, r)
         self.register_buffer("rope_sin", rope[1] if rope else None, persistent=False)
         self.register_buffer("position_ids", torch.arange(seq_len).unsqueeze(0), persistent=False)  # (1, T)
-        self.expected_laws = expected_laws
 
     def _kwargs(self) -> dict:
         kw = {"attention_mask": self.mask}
@@ -287,58 +249,47 @@ class HFPart(nn.Module):
 
 
 def closed_form(model_type: str, part: str, config: Any) -> int | None:
-    """The law count derived for this family and part (module docstring), None where none is derived."""
-    cfg = config
+    """The law count derived for this family and part (module docstring), None where none is derived.
+
+    Read from the family's traits, never from its name: positions and QK-norm,
+    biases, a LayerNorm after the residual sum, the MLP kind, the shared expert.
+    """
+    fam, cfg = FAMILIES[model_type], config
     d = cfg.hidden_size
-    heads = cfg.num_attention_heads
-    kv = getattr(cfg, "num_key_value_heads", None) or heads
-    hd = getattr(cfg, "head_dim", None) or d // heads
-    factor = (getattr(cfg, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)
-    r = int(hd * factor) if _family(model_type).positions == "rope" else 0
+    heads, kv, hd = attention_heads(cfg, fam)
+    r = rotary_dims(cfg, hd, fam)
     r -= r % 2
     u = hd - r
     vo = kv * hd * (hd + 1) // 2
-    bias = model_type in ("qwen2", "qwen2_moe") or bool(getattr(cfg, "attention_bias", False))
+    bias = fam.bias != "config" or bool(getattr(cfg, "attention_bias", False))
+    exact_norm = getattr(cfg, "rms_norm_eps", None) == 0  # scale laws of the QK-norm only hold without eps
 
-    def attention() -> int | None:
-        if model_type in ("llama", "mistral", "gemma", "gemma2", "phi3", "mixtral", "qwen2", "qwen2_moe"):
-            return kv * (r // 2 + u * (u + 1) // 2 + (u if bias else 0)) + vo
-        if model_type == "qwen3":
-            return hd // 2 + vo + (heads + kv if cfg.rms_norm_eps == 0 else 0)
-        if model_type == "olmoe":  # full-width QK-norm: γ pairs per K/V group; ‖W_Q‖², ‖W_K‖² only when eps = 0
-            return kv * (hd // 2) + vo + (2 if cfg.rms_norm_eps == 0 else 0)
-        if model_type == "gpt2":
-            return heads * (hd * (hd + 1) + hd)
-        if model_type == "bert":  # + LayerNorm(O·a + b_o + x) is blind to adding c·1: Σ b_o and O's column sums
-            return heads * (hd * (hd + 1) + hd) + heads * hd + 1
-        if model_type == "gpt_neox":  # biases, partial rotary, no GQA
-            return heads * (r // 2 + u * (u + 1) // 2 + u + hd * (hd + 1) // 2)
-        return None
+    def attention() -> int:
+        if fam.qk_norm == "per_head":  # γ_q, γ_k pairs; ‖Q_i‖², ‖K_g‖² when eps = 0
+            return hd // 2 + vo + (heads + kv if exact_norm else 0)
+        if fam.qk_norm == "full":  # γ pairs per K/V group; ‖W_Q‖², ‖W_K‖² when eps = 0
+            return kv * (hd // 2) + vo + (2 if exact_norm else 0)
+        # rotation pairs, the unrotated dims' GL(u) and, with biases, their trivially conserved k-bias coordinates
+        count = kv * (r // 2 + u * (u + 1) // 2 + (u if bias else 0)) + vo
+        # LayerNorm(O·a + b_o + x) is blind to adding c·1: Σ b_o and O's column sums
+        return count + (heads * hd + 1 if fam.post_norm else 0)
 
-    def mlp() -> int | None:
-        if model_type in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3"):
-            return cfg.intermediate_size
-        if model_type == "bert":  # GELU: none; LayerNorm after the output dense: its column sums and Σ b_o
-            return cfg.intermediate_size + 1
-        return 0 if model_type in ("gpt2", "gpt_neox") else None
+    def mlp() -> int:
+        gated = cfg.intermediate_size if fam.mlp in ("gated", "fused_gated") else 0  # a GELU MLP has none
+        return gated + (cfg.intermediate_size + 1 if fam.post_norm else 0)
 
-    def moe() -> int | None:
-        if model_type in ("mixtral", "olmoe"):
-            experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
-            return d + experts * cfg.intermediate_size
-        if model_type == "qwen2_moe":
-            return d + cfg.num_experts * cfg.moe_intermediate_size + cfg.shared_expert_intermediate_size
-        return None
+    def moe() -> int:
+        experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
+        width = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
+        shared = cfg.shared_expert_intermediate_size if fam.shared_expert else 0  # its sigmoid gate has none
+        return d + experts * width + shared
 
     if part == "attention":
         return attention()
-    if part == "mlp":
-        return mlp()
-    if part == "moe":
-        return moe()
-    if model_type in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe"):
-        a, rest = attention(), (moe() if _has_moe(model_type) else mlp())
-        return None if a is None or rest is None else a + rest + 2 * d
+    if part in ("mlp", "moe"):
+        return moe() if fam.mlp == "moe" else mlp()
+    if fam.block_laws:  # each norm weight γ_i against column i of every projection reading that norm's output
+        return attention() + (moe() if fam.mlp == "moe" else mlp()) + 2 * d
     return None
 
 
@@ -398,6 +349,7 @@ class HFBuild:
     part: str
     config: dict
     expected: int | None
+    label: str = ""
 
 
 def build(model_type: str, part: str, *, overrides: dict[str, Any] | None = None, seed: int = 0,
@@ -439,7 +391,7 @@ def build(model_type: str, part: str, *, overrides: dict[str, Any] | None = None
     causal = model_type != "bert" or bool(getattr(config, "is_decoder", False))  # the tiny BERT is a decoder
     expected = closed_form(model_type, part, config)
     wrapped = HFPart(modules, part=part, hidden=hidden, seq_len=SEQ_LEN, rope=rope, causal=causal,
-                     keep_casts=keep_casts, expected_laws=expected).to(torch.float64).eval()
+                     keep_casts=keep_casts).to(torch.float64).eval()
     shown = {k: getattr(config, k) for k in kwargs if hasattr(config, k)}
     if _has_moe(model_type):
         shown["_experts_implementation"] = getattr(config, "_experts_implementation", None)
@@ -448,17 +400,14 @@ def build(model_type: str, part: str, *, overrides: dict[str, Any] | None = None
     return HFBuild(module=wrapped, model_type=model_type, part=part, config=shown, expected=expected)
 
 
-@dataclass
-class HFTarget(Target):
-    """A :class:`~flowgeom.laws.target.Target` for ``hf:`` names, with the config values used."""
+def resolve_hf(target: str, *, config_items: list[str] | None = None, seed: int = 0, keep_casts: bool = False) -> HFBuild:
+    """``hf:MODEL_TYPE:PART`` -> :class:`HFBuild`; ``config_items`` are ``KEY=VALUE`` strings (``--config``).
 
-    config: dict = field(default_factory=dict)
-
-
-def resolve_hf(target: str, *, config_items: list[str] | None = None, seed: int = 0, keep_casts: bool = False) -> HFTarget:
-    """``hf:MODEL_TYPE:PART`` -> :class:`HFTarget`; ``config_items`` are ``KEY=VALUE`` strings (``--config``)."""
+    :func:`flowgeom.laws.target.resolve` turns it into a ``Target``; this module
+    does not import that one (no import circle).
+    """
     model_type, part = parse_target(target)
     overrides = config_overrides(model_type, config_items)
     built = build(model_type, part, overrides=overrides, seed=seed, keep_casts=keep_casts)
-    label = target + "".join(f" --config {k}={v}" for k, v in overrides.items())
-    return HFTarget(module=built.module, sampler=module_sampler(built.module), label=label, arch=None, config=built.config)
+    built.label = target + "".join(f" --config {k}={v}" for k, v in overrides.items())
+    return built

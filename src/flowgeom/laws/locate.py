@@ -13,7 +13,7 @@ visited again (a MoE's experts belong to the MoE).
 - **hf_attention** / **hf_mlp**: modules whose *class* is in the family table
   (:mod:`flowgeom.hf.families`) of the ``model_type`` of the nearest
   ``config``; head counts, GQA, head_dim, partial rotary from the config,
-  biases and QK-norm from the modules (:mod:`flowgeom.laws.attention_hf`);
+  biases and QK-norm from the modules (:mod:`flowgeom.laws.attention`);
 - **named**: other modules with ``nn.Linear`` children ``q_proj k_proj v_proj
   o_proj`` (no biases, as many K/V as query heads; head counts from attributes
   or ``heads=``/``head_dim=``; positions from ``positions=`` or a
@@ -43,7 +43,7 @@ from torch import nn
 
 from flowgeom.errors import FlowgeomError, choice_error
 from flowgeom.hf.families import FAMILIES, Family, attention_heads, fused_rows, rotary_dims
-from flowgeom.laws.attention_hf import AttentionSpec, GatedMLPSpec, OutProj, Proj, attention_entry, gated_mlp_entry
+from flowgeom.laws.attention import AttentionSpec, GatedMLPSpec, OutProj, Proj, attention_entry, gated_mlp_entry
 from flowgeom.laws.catalogue import CatalogueEntry, attention_laws, entry_of_block, norm_control, swiglu_laws
 from flowgeom.nn.attention import POSITIONS
 

@@ -55,7 +55,7 @@ import torch
 from torch import nn
 
 from flowgeom.laws.batched import Batch, gram_diff
-from flowgeom.laws.catalogue import CatalogueEntry, Law, Params, norm_control
+from flowgeom.laws.law import CatalogueEntry, Law, Params, join, norm_control
 
 # LoRA variants (PEFT ``lora_variant[adapter]`` classes) whose output reads A and B only through B A.
 PRODUCT_VARIANTS: tuple[str, ...] = (
@@ -63,9 +63,6 @@ PRODUCT_VARIANTS: tuple[str, ...] = (
 )
 _UNCOVERED_LAYERS = ("MultiheadAttention", "ParamWrapper")
 
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
 
 
 def is_lora_layer(module: nn.Module) -> bool:
@@ -143,7 +140,7 @@ def lora_entry(module: nn.Module, prefix: str) -> CatalogueEntry:
             notes.append(f"{where}: LoRA variant {type(variant).__name__} not covered (output not verified to read B·A only)")
             continue
         rank = A.shape[0]
-        laws.append(gram_law(_join(prefix, a_rel), _join(prefix, b_rel), rank, label=where))
+        laws.append(gram_law(join(prefix, a_rel), join(prefix, b_rel), rank, label=where))
         controls.append(replace(norm_control(prefix, b_rel, f"lora_B[{adapter}]"), family="norm.lora_B"))
         if variant is not None:
             notes.append(f"{where}: DoRA — the A/B law holds; the magnitude vector has no law")

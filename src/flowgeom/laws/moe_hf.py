@@ -65,22 +65,17 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from flowgeom.hf.families import FAMILIES
 from flowgeom.laws.batched import Batch, col_sum, flat, rownorm_diff, sq_norm
-from flowgeom.laws.catalogue import CatalogueEntry, Law, Params, norm_control
+from flowgeom.laws.law import CatalogueEntry, Law, Params, join, norm_control
 
-# Router classes whose forward is exactly softmax → top-k → (optional) renormalise.
-# value: True = always renormalises, None = reads ``norm_topk_prob``.
-SOFTMAX_TOPK_ROUTERS: dict[str, bool | None] = {
-    "MixtralTopKRouter": True,
-    "Qwen2MoeTopKRouter": None,
-    "OlmoeTopKRouter": None,
-}
-# Fused-expert classes checked to compute down_e(act(gate_e x) ⊙ up_e x) with gate rows first.
-FUSED_EXPERTS: tuple[str, ...] = ("MixtralExperts", "Qwen2MoeExperts", "OlmoeExperts")
+# From the one family table. Router classes whose forward is exactly softmax → top-k → (optional)
+# renormalise (True = always renormalises, None = reads ``norm_topk_prob``); fused-expert classes
+# checked to compute down_e(act(gate_e x) ⊙ up_e x) with gate rows first.
+SOFTMAX_TOPK_ROUTERS: dict[str, bool | None] = {f.router_class: f.router_renorm for f in FAMILIES.values()
+                                                if f.moe_router == "softmax_topk"}
+FUSED_EXPERTS: tuple[str, ...] = tuple(f.experts_class for f in FAMILIES.values() if f.experts_class)
 
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
 
 
 @dataclass(frozen=True)
@@ -101,7 +96,7 @@ def fused_expert_laws(prefix: str, n_experts: int, width: int) -> tuple[Law, ...
     ``prefix`` is the experts module path (``…mlp.experts``); the up rows are
     the second half of ``gate_up_proj`` (transformers' ``.chunk(2, -1)``).
     """
-    gu, down = _join(prefix, "gate_up_proj"), _join(prefix, "down_proj")
+    gu, down = join(prefix, "gate_up_proj"), join(prefix, "down_proj")
     laws = []
     for e in range(n_experts):
         def fn(p: Params, e=e) -> torch.Tensor:
@@ -119,7 +114,7 @@ def fused_expert_laws(prefix: str, n_experts: int, width: int) -> tuple[Law, ...
 
 def router_law(prefix: str, layout: MoELayout) -> Law:
     """Σ_e router[e, :] (d laws), or every router weight when top-1 renormalised (E·d laws)."""
-    w = _join(prefix, "weight")
+    w = join(prefix, "weight")
     if layout.top_k == 1 and layout.renormalise:
         return Law(
             family="moe.router_frozen", name=f"every {w}[e, j] (top-1 renormalised: gate ≡ 1)",
@@ -136,7 +131,7 @@ def router_law(prefix: str, layout: MoELayout) -> Law:
 
 
 def _gate_slices_control(prefix: str, width: int) -> Law:
-    gu = _join(prefix, "gate_up_proj")
+    gu = join(prefix, "gate_up_proj")
     return Law(
         family="norm.expert_gates", name=f"Σ_e ‖{gu}[e, :{width}]‖²_F",
         formula="Σ_e ‖gate_e‖²_F over every expert's gate rows (not conserved)", count=1, params=(gu,),
@@ -146,7 +141,7 @@ def _gate_slices_control(prefix: str, width: int) -> Law:
 
 
 def _shared_expert_law(prefix: str, width: int) -> Law:
-    up, down = _join(prefix, "up_proj.weight"), _join(prefix, "down_proj.weight")
+    up, down = join(prefix, "up_proj.weight"), join(prefix, "down_proj.weight")
     return Law(
         family="moe.shared_up_down", name=f"‖{up}[i,:]‖² − ‖{down}[:,i]‖²",
         formula=f"‖{up}[i,:]‖² − ‖{down}[:,i]‖², i < {width} (shared expert, any gate activation)",
@@ -194,16 +189,16 @@ def moe_entry(block: nn.Module, prefix: str) -> CatalogueEntry:
     layout = moe_layout(block)
     if isinstance(layout, str):
         return CatalogueEntry((), (), (), (f"{prefix}: MoE block not covered — {layout}",))
-    laws = list(fused_expert_laws(_join(prefix, "experts"), layout.experts, layout.width))
-    laws.append(router_law(_join(prefix, "gate"), layout))
-    controls = [_gate_slices_control(_join(prefix, "experts"), layout.width)]
+    laws = list(fused_expert_laws(join(prefix, "experts"), layout.experts, layout.width))
+    laws.append(router_law(join(prefix, "gate"), layout))
+    controls = [_gate_slices_control(join(prefix, "experts"), layout.width)]
     notes = [f"{prefix}: top-{layout.top_k} routing — laws hold almost everywhere (away from routing ties)"]
     if layout.top_k == 1 and layout.renormalise:
         notes.append(f"{prefix}: top-1 renormalised routing — the router weights never move")
     else:
         controls.insert(0, replace(norm_control(prefix, "gate.weight", "router.weight"), family="norm.router"))
     if layout.shared_width is not None:
-        laws.append(_shared_expert_law(_join(prefix, "shared_expert"), layout.shared_width))
+        laws.append(_shared_expert_law(join(prefix, "shared_expert"), layout.shared_width))
         controls.append(replace(norm_control(prefix, "shared_expert_gate.weight", "shared_expert_gate.weight"),
                                 family="norm.shared_expert_gate"))
         notes.append(f"{prefix}: shared_expert_gate (sigmoid scalar gate) has no law")

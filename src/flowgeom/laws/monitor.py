@@ -94,9 +94,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from flowgeom.errors import FlowgeomError, finite_number
+from flowgeom.errors import FlowgeomError, finite_number, positive_int
 from flowgeom.laws.batched import BatchedLaws
-from flowgeom.laws.catalogue import CatalogueEntry, Law
+from flowgeom.laws.law import CatalogueEntry, Law
 from flowgeom.laws.locate import FlowgeomWarning, Uncovered, locate_blocks
 from flowgeom.laws.verdict import HELD_THRESHOLD, OptimizerInfo, Verdict, describe_optimizer, family_verdicts, summary_line
 
@@ -106,17 +106,18 @@ PLAIN_GD_WARNING = (
     "flowgeom: conservation laws hold for plain gradient descent / SGD only; momentum, Adam and "
     "weight decay break them (for weight decay pass weight_decay=λ to track the rescaled laws e^{dλt}·h)"
 )
-_warned = False
 
 
-def warn_plain_gd_only(optimizer: torch.optim.Optimizer | None = None) -> bool:
-    """Warn once per process unless ``optimizer`` is plain SGD (no momentum, no weight decay)."""
-    global _warned
+def warn_plain_gd_only(optimizer: torch.optim.Optimizer | None = None, *, stacklevel: int = 2) -> bool:
+    """Warn unless ``optimizer`` is plain SGD (no momentum, no weight decay); True when it is not.
+
+    No state: every call warns. :class:`ConservationMonitor` warns once per
+    monitor (a second monitor warns again; Python's default filter shows a
+    warning once per call site).
+    """
     if optimizer is not None and is_plain_sgd(optimizer):
         return False
-    if not _warned:
-        warnings.warn(PLAIN_GD_WARNING, UserWarning, stacklevel=3)
-        _warned = True
+    warnings.warn(PLAIN_GD_WARNING, UserWarning, stacklevel=stacklevel + 1)
     return True
 
 
@@ -197,8 +198,7 @@ class ConservationMonitor:
                  lr: float | None = None, include_refuted: bool = True, per_block: bool = True,
                  heads: int | None = None, positions: str | None = None, warn: bool = True,
                  rescale: str = "flow"):
-        if not isinstance(every, int) or every < 1:
-            raise FlowgeomError(f"every must be a positive integer, got {every!r}")
+        positive_int(every, "every", fix="measure every N >= 1 steps")
         weight_decay = finite_number(weight_decay, "ConservationMonitor weight_decay", minimum=0.0,
                                      fix="pass the optimiser's weight decay λ >= 0, or 0")
         if lr is not None:
@@ -220,11 +220,12 @@ class ConservationMonitor:
                                 "a supported HF family and no HF-named attention (q/k/v/o_proj) or gated MLP "
                                 "(gate/up/down_proj)" + (f"; uncovered: {missed}" if missed else ""))
         self.model, self.every, self.run, self.per_block, self._warn = model, every, run, per_block, warn
+        self._warned: set[str] = set()  # the kinds of warning this monitor gave (each at most once per monitor)
         self.weight_decay, self.lr, self.rescale = float(weight_decay), lr, rescale
         self.optimizer_info: OptimizerInfo | None = describe_optimizer(optimizer) if optimizer is not None else None
         self.last: dict[str, Any] | None = None  # the latest record (verdicts() reads it)
-        if warn:
-            warn_plain_gd_only(optimizer)
+        if warn and not (optimizer is not None and is_plain_sgd(optimizer)):
+            self._warn_once("plain_gd", PLAIN_GD_WARNING, UserWarning)
         named = dict(model.named_parameters())
         missing = sorted({n for t in self.items for n in t.law.params} - set(named))
         if missing:
@@ -242,18 +243,17 @@ class ConservationMonitor:
                                 "; the conservation laws are defined for real floating-point weights: convert the "
                                 "model with .float() (or .double()) before building the monitor")
         if warn and not any(p.requires_grad for p in self._params):
-            warnings.warn(f"no parameter the laws read requires grad ({len(self._params)} frozen, e.g. "
-                          f"{self._names[0]}): training cannot move them, so every ε will be 0 and say nothing "
-                          "about the laws; unfreeze them (requires_grad_(True)) or monitor the trained part",
-                          FlowgeomWarning, stacklevel=2)
+            self._warn_once("frozen", f"no parameter the laws read requires grad ({len(self._params)} frozen, e.g. "
+                            f"{self._names[0]}): training cannot move them, so every ε will be 0 and say nothing "
+                            "about the laws; unfreeze them (requires_grad_(True)) or monitor the trained part")
         self.low_precision = sorted({str(p.dtype).replace("torch.", "") for p in self._params
                                      if p.dtype in (torch.float16, torch.bfloat16)})
         if self.low_precision and warn:  # the laws are exact for the flow; half-precision weights are not
             worst = max(torch.finfo(getattr(torch, d)).eps / 2 for d in self.low_precision)  # unit roundoff
-            warnings.warn(f"the laws read {' and '.join(self.low_precision)} weights: every step rounds them by up to "
-                          f"{worst:.1e} relative, so ε measures that rounding as much as the flow's O(τ²k) drift "
-                          "(it can exceed the controls); train with float32 weights (e.g. float32 master weights "
-                          "under autocast) to measure the laws", FlowgeomWarning, stacklevel=2)
+            self._warn_once("low_precision", f"the laws read {' and '.join(self.low_precision)} weights: every step "
+                            f"rounds them by up to {worst:.1e} relative, so ε measures that rounding as much as the "
+                            "flow's O(τ²k) drift (it can exceed the controls); train with float32 weights (e.g. "
+                            "float32 master weights under autocast) to measure the laws")
         self._batched = BatchedLaws([t.law for t in self.items], self._detached())
         counts = [t.law.count for t in self.items]
         self._seg = torch.repeat_interleave(torch.arange(len(self.items)), torch.tensor(counts))  # (total,)
@@ -350,9 +350,21 @@ class ConservationMonitor:
         self.zero_baseline = list(dict.fromkeys(f"{t.kind}/{t.family}@{t.block}"
                                                 for t, z in zip(self.items, zero.tolist()) if z))
         if self.zero_baseline and warn and self._warn:
-            warnings.warn(f"{len(self.zero_baseline)} law(s) are zero at θ_0 ({', '.join(self.zero_baseline[:3])}"
-                          f"{', …' if len(self.zero_baseline) > 3 else ''}): their ε is relative to the scale of the "
-                          "weights they read (or of their block), not to ‖h(θ_0)‖ (monitor.zero_baseline)", FlowgeomWarning, stacklevel=3)
+            self._warn_once("zero_baseline", f"{len(self.zero_baseline)} law(s) are zero at θ_0 "
+                            f"({', '.join(self.zero_baseline[:3])}{', …' if len(self.zero_baseline) > 3 else ''}): "
+                            "their ε is relative to the scale of the weights they read (or of their block), not to "
+                            "‖h(θ_0)‖ (monitor.zero_baseline)", stacklevel=4)
+
+    def _warn_once(self, kind: str, message: str, category: type[Warning] = FlowgeomWarning, *,
+                   stacklevel: int = 3) -> None:
+        """Warn about ``kind`` the first time this monitor meets it (a new monitor warns again; no global state).
+
+        ``stacklevel`` counts from this method (3: the caller of the method that calls it).
+        """
+        if kind in self._warned:
+            return
+        self._warned.add(kind)
+        warnings.warn(message, category, stacklevel=stacklevel)
 
     def _segment_norm(self, v: Tensor) -> Tensor:
         sq = torch.zeros(len(self.items), dtype=torch.float64).index_add_(0, self._seg, v * v)

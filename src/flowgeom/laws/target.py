@@ -24,7 +24,7 @@ import operator
 import os
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,12 +38,18 @@ from flowgeom.laws.fields import Sampler, generator, module_sampler, shape_sampl
 
 @dataclass
 class Target:
-    """A resolved target: the module, its input sampler and a label for reports."""
+    """A resolved target: the module, its input sampler, a label for reports and the expected count.
+
+    ``expected``: the catalogue's count for a zoo block, an ``hf:`` part's closed
+    form, None elsewhere; ``config``: the config values an ``hf:`` part was built with.
+    """
 
     module: nn.Module
     sampler: Sampler
     label: str
     arch: str | None = None
+    expected: int | None = None
+    config: dict = field(default_factory=dict)
 
 
 MAX_INPUT_DIMS = 8
@@ -194,7 +200,9 @@ def resolve(target: str, *, size_options: dict[str, Any] | None = None, input_sh
             raise FlowgeomError(f"{flags} only apply to zoo architectures; size {target!r} with --config KEY=VALUE")
         from flowgeom.laws.hf_target import resolve_hf
 
-        return resolve_hf(target, config_items=hf_config, seed=seed, keep_casts=keep_casts)
+        built = resolve_hf(target, config_items=hf_config, seed=seed, keep_casts=keep_casts)
+        return Target(module=built.module, sampler=module_sampler(built.module), label=built.label,
+                      expected=built.expected, config=built.config)
     if hf_config:
         raise FlowgeomError(f"--config only applies to hf:MODEL_TYPE:PART targets, not to {target!r}; drop it")
     if ":" not in target:
@@ -226,4 +234,9 @@ def resolve(target: str, *, size_options: dict[str, Any] | None = None, input_sh
     else:
         raise FlowgeomError(f"{label} has no sample_input(batch, generator); pass --input-shape, the shape of one input "
                             "without the batch dimension (e.g. --input-shape 4,8 for inputs of shape (batch, 4, 8))")
-    return Target(module=module, sampler=sampler, label=label, arch=arch)
+    expected = None
+    if arch is not None:
+        from flowgeom.laws.catalogue import expected_count
+
+        expected = expected_count(module)
+    return Target(module=module, sampler=sampler, label=label, arch=arch, expected=expected)

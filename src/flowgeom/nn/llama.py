@@ -41,8 +41,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flowgeom.errors import FlowgeomError
+from flowgeom.errors import FlowgeomError, positive_int
 from flowgeom.files import read_json_object
+from flowgeom.io import local_path, open_source
 from flowgeom.limits import LIMITS, file_float, file_int
 
 
@@ -66,8 +67,8 @@ class LlamaConfig:
     def __post_init__(self):
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.type == "int" and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise FlowgeomError(f"Llama config {f.name} must be a positive integer, got {value!r}")
+            if f.type == "int":
+                positive_int(value, f"Llama config {f.name}")
             if f.name in LIMITS:  # before any module is built: 2e9 layers would loop, 4e9 tokens allocate
                 file_int(value, f.name, where="Llama config", fix="fix config.json (or the GGUF metadata)")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -324,8 +325,6 @@ def gguf_config(meta: dict, tensors) -> LlamaConfig:
 
 def gguf_state_dict(path: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
     """``(config, HF-named float32 state dict)`` of a llama GGUF: dequantised, q/k rows unpermuted."""
-    from flowgeom.continuity.sources import open_source
-
     src = open_source(Path(path))  # one header walk: validated tensor table, metadata decoded as read
     cfg = gguf_config(src.metadata, src.shapes)
     state = {}
@@ -354,8 +353,6 @@ def gguf_state_dict(path: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tens
 
 def hf_state_dict(folder: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
     """``(config, state dict)`` of an HF-layout folder: ``config.json`` + safetensors (validated by flowgeom)."""
-    from flowgeom.continuity.sources import open_source
-
     folder = Path(folder)
     raw = read_json_object(folder / "config.json", what="config.json",
                            fix="an HF Llama folder needs config.json next to its safetensors")
@@ -381,17 +378,9 @@ def float_weights(where: str | Path, state: dict[str, torch.Tensor]) -> dict[str
     return {name: t.float() for name, t in state.items()}
 
 
-def is_gguf(spec: str | Path) -> bool:
-    return str(spec).startswith("builtin:") or str(spec).endswith(".gguf")
-
-
 def llama_state_dict(spec: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
     """``(config, state dict)`` from a GGUF file, ``builtin:smollm2`` or an HF-layout folder."""
-    if str(spec).startswith("builtin:"):
-        from flowgeom.continuity.sources import builtin_path
-
-        spec = builtin_path(str(spec))
-    path = Path(spec)
+    path = local_path(spec)
     if path.is_dir():
         ggufs = sorted(path.glob("*.gguf"))
         if (path / "config.json").exists() or not ggufs:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from flowgeom.errors import FlowgeomError, require_choices
+from flowgeom.errors import FlowgeomError, positive_int, require_choices
 from flowgeom.nn.attention import POSITIONS, MultiHeadAttention, sinusoidal_table
 from flowgeom.nn.block import NORMS, PreNormBlock, make_norm
 from flowgeom.nn.feedforward import ACTIVATIONS, FeedForward, SwiGLU
@@ -48,8 +48,7 @@ class LMConfig:
 
     def __post_init__(self):
         for name in ("vocab", "d_model", "n_layers", "heads", "d_k", "d_hidden", "seq_len", "experts"):
-            if getattr(self, name) < 1:
-                raise FlowgeomError(f"{name} must be ≥ 1, got {getattr(self, name)}")
+            positive_int(getattr(self, name), name)
         require_choices(self, positions=POSITIONS, mlp=MLPS, norm=NORMS, gate=GATES)
         if self.positions == "rope" and self.d_k % 2:
             raise FlowgeomError(f"RoPE needs an even d_k, got {self.d_k}")

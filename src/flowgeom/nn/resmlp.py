@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flowgeom.errors import FlowgeomError, choice_error
+from flowgeom.errors import FlowgeomError, choice_error, positive_int
 
 
 def radial(x: torch.Tensor) -> torch.Tensor:
@@ -78,8 +78,7 @@ class ResMLPConfig:
 
     def __post_init__(self):
         for name in ("d_in", "width", "depth", "classes"):
-            if getattr(self, name) < 1:
-                raise FlowgeomError(f"{name} must be >= 1, got {getattr(self, name)}")
+            positive_int(getattr(self, name), name)
         if self.activation not in ACTIVATIONS:
             raise choice_error("activation", self.activation, ACTIVATIONS)
         if not (self.init_scale > 0 and math.isfinite(self.init_scale)):

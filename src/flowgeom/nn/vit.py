@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from flowgeom.errors import FlowgeomError, choice_error
+from flowgeom.errors import FlowgeomError, choice_error, positive_int
 from flowgeom.nn.attention import MultiHeadAttention
 from flowgeom.nn.feedforward import SwiGLU
 from flowgeom.nn.block import NORMS, PreNormBlock, make_norm
@@ -45,8 +45,7 @@ class ViTConfig:
 
     def __post_init__(self):
         for name in ("image_size", "channels", "patch", "d_model", "n_layers", "heads", "d_k", "d_hidden", "n_classes"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise FlowgeomError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+            positive_int(getattr(self, name), name)
         if self.image_size % self.patch:
             raise FlowgeomError(f"patch={self.patch} does not divide image_size={self.image_size}; choose a divisor")
         if self.norm not in NORMS:

@@ -17,7 +17,7 @@ from typing import Any
 
 from torch import nn
 
-from flowgeom.errors import FlowgeomError, choice_error
+from flowgeom.errors import FlowgeomError, choice_error, positive_int
 from flowgeom.nn.attention import POSITIONS, MultiHeadAttention
 from flowgeom.nn.feedforward import ACTIVATIONS, FeedForward, LinearChain, SwiGLU
 from flowgeom.nn.moe import GATES, MixtureOfExperts
@@ -29,10 +29,8 @@ def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any
 
 def _positive(cfg: object, *names: str) -> None:
     for name in names:
-        value = getattr(cfg, name)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            flag = "--" + name.replace("_", "-")
-            raise FlowgeomError(f"{flag} must be a positive integer, got {value!r}")
+        if getattr(cfg, name) is not None:
+            positive_int(getattr(cfg, name), "--" + name.replace("_", "-"))
 
 
 def _one_of(cfg: object, name: str, options: tuple[str, ...]) -> None:
@@ -185,8 +183,6 @@ def build(name: str, *, seed: int | None = None, **options: Any) -> nn.Module:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             module = cfg.build()
-    module.arch_name = name
-    module.arch_config = cfg
     return module
 
 

@@ -6,13 +6,12 @@ path, so a verdict function can list its figures directly.
 
 from __future__ import annotations
 
-import io
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from flowgeom.errors import FlowgeomError
-from flowgeom.runs import atomic_write_bytes
+from flowgeom.runs import atomic_write_figure
 
 
 def figure_formats() -> dict[str, str]:
@@ -61,10 +60,7 @@ def _figure(figsize: tuple[float, float]):
 
 def save(fig, path: str | os.PathLike) -> Path:
     """Write ``fig`` as PNG to ``path`` (atomic)."""
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
-    atomic_write_bytes(path, buf.getvalue())
-    return Path(path)
+    return atomic_write_figure(path, fig, format="png", dpi=110, bbox_inches="tight")
 
 
 def log_bars(path: str | os.PathLike, groups: Mapping[str, Mapping[str, float]], *, title: str, ylabel: str,

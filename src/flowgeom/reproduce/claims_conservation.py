@@ -10,7 +10,6 @@ are listed as "not run" with the reason.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -32,15 +31,17 @@ def _finite(x: Any) -> Any:
 
 
 def scaling_config(config: Mapping[str, Any]):
-    """The :class:`~flowgeom.experiments.scaling.ScalingConfig` of one claim run: the scale's preset on one arch."""
+    """The :class:`~flowgeom.experiments.scaling.ScalingConfig` of one claim run: the preset of ``config["scale"]``
+    (:data:`flowgeom.experiments.scaling.PRESETS`) on one arch, the other keys as overrides."""
     from flowgeom.experiments import scaling
+    from flowgeom.experiments.presets import preset
 
-    base = scaling.QUICK if config["scale"] == "quick" else scaling.FULL
-    return dataclasses.replace(base, archs=(config["arch"],), decay_steps=config["decay_steps"])
+    rest = {k: v for k, v in config.items() if k not in ("arch", "scale")}
+    return preset(scaling.PRESETS, config["scale"], archs=(config["arch"],), **rest)
 
 
 def run_scaling_claim(config: Mapping[str, Any], folder: RunFolder, resume: bool) -> dict[str, Any]:
-    """run_scaling on one architecture; ``config = {"arch", "scale", "decay_steps"}``."""
+    """run_scaling on one architecture; ``config = {"arch", "scale"[, "decay_steps"]}``."""
     from flowgeom.experiments import scaling
 
     cfg = scaling_config(config)
@@ -139,22 +140,35 @@ def router_verdict(runs: Sequence[RunRecord], figures_dir: Path) -> Verdict:
 
 def drift_config(config: Mapping[str, Any]):
     """The run config of one drift run: ``{"scale", "arch", "lr", "seed"}`` is that preset's mini-batch SGD run
-    (what ``flowgeom conserve run --<scale> --regime sgd`` trains); without ``scale``, the other keys override the
-    :class:`~flowgeom.experiments.conservation.ConservationConfig` defaults."""
-    from flowgeom.experiments.conservation import PRESETS, ConservationConfig
+    (:meth:`~flowgeom.experiments.conservation.ConservationPreset.run_config`, what
+    ``flowgeom conserve run --<scale> --regime sgd`` trains); other keys are run-config overrides."""
+    from flowgeom.experiments.conservation import PRESETS
+    from flowgeom.experiments.presets import preset
 
-    rest = {k: v for k, v in config.items() if k not in ("arch", "scale")}
-    if "scale" in config:
-        return PRESETS[config["scale"]].run_config(config["arch"], regime="sgd", **rest)
-    return ConservationConfig.for_arch(config["arch"], **rest)
+    rest = {k: v for k, v in config.items() if k not in ("arch", "scale", "lr", "seed")}
+    return preset(PRESETS, config["scale"]).run_config(config["arch"], lr=config["lr"], seed=config["seed"],
+                                                       regime="sgd", **rest)
+
+
+def drift_grid(scale: str, archs: Sequence[str]) -> tuple[dict[str, Any], ...]:
+    """The claim's runs at ``scale``: ``archs`` × the preset's step sizes × its seeds (0, 1, …), SGD."""
+    from flowgeom.experiments.conservation import PRESETS
+    from flowgeom.experiments.presets import preset
+
+    p = preset(PRESETS, scale)
+    return tuple({"scale": scale, "arch": a, "lr": lr, "seed": s} for a in archs for lr in p.lrs for s in range(p.seeds))
 
 
 def run_drift(config: Mapping[str, Any], folder: RunFolder, resume: bool) -> dict[str, Any]:
-    """One monitored training run; ``config = {"arch", "lr", "seed", "steps", "full_batch", ...}``."""
-    from flowgeom.experiments.conservation import run_conservation
+    """One monitored training run (the grid's :func:`~flowgeom.experiments.conservation_grid.drift_row`);
+    ``config = {"scale", "arch", "lr", "seed"}``. A diverged run is an error (the sweep marks it failed)."""
+    from flowgeom.errors import FlowgeomError
+    from flowgeom.experiments.conservation_grid import drift_row
 
     cfg = drift_config(config)
-    run_conservation(cfg, folder.path / "run", resume=resume)
+    row = drift_row(cfg, folder.path / "run", resume=resume)
+    if row.get("diverged"):
+        raise FlowgeomError(row["message"])
     metrics = RunFolder(folder.path / "run").metrics()
     final = metrics[-1]
     laws = {k: v for k, v in final.items() if k.startswith("eps/") and "@" not in k}
@@ -218,29 +232,28 @@ TEXTS = {
 }
 
 
+DRIFT_ARCHS = ("mha-rope-swiglu", "moe-top2-softmax")  # quick and cpu: the two architectures the issue names
+ROUTER_ARCHS = {"quick": ("moe-dense-softmax", "moe-dense-sigmoid"),
+                "full": ("moe-dense-softmax", "moe-dense-sigmoid", "moe-top2-softmax", "moe-top2-sigmoid")}
+ROUTER_DECAY_STEPS = 4  # the shortest schedule runs ScalingConfig allows: the router claim reads only the τ grid
+
+
 def claims() -> list[Claim]:
     from flowgeom.experiments import conservation, scaling  # an import bug fails loudly, never hides the claims
 
-    quick, full = conservation.QUICK, conservation.FULL
-    # quick: one step size on two archs (the preset's run at lr 0.1), full: the preset's whole SGD grid.
-    drift_q = tuple({"arch": a, "lr": 0.1, "seed": 0, "steps": quick.steps, "log_every": quick.model.log_every}
-                    for a in ("mha-rope-swiglu", "moe-top2-softmax"))
-    drift_f = tuple({"scale": "full", "arch": a, "lr": lr, "seed": s}
-                    for a in conservation.ARCHS for lr in full.lrs for s in range(full.seeds))
-    # cpu: the two architectures the issue names (RoPE attention with SwiGLU, top-2 MoE), 2000 SGD steps each
-    drift_c = tuple({"scale": "cpu", "arch": a, "lr": lr, "seed": s} for a in ("mha-rope-swiglu", "moe-top2-softmax")
-                    for lr in conservation.CPU.lrs for s in range(conservation.CPU.seeds))
-    tau_q = ({"arch": "mha-rope-swiglu", "scale": "quick", "decay_steps": 80},)
-    tau_f = tuple({"arch": a, "scale": "full", "decay_steps": scaling.FULL.decay_steps} for a in conservation.LM_ARCHS)
-    # decay_steps 4: the router claim needs only the τ grid, not the schedule comparison.
-    router_q = tuple({"arch": a, "scale": "quick", "decay_steps": 4} for a in ("moe-dense-softmax", "moe-dense-sigmoid"))
-    router_f = tuple({"arch": a, "scale": "full", "decay_steps": 4} for a in
-                     ("moe-dense-softmax", "moe-dense-sigmoid", "moe-top2-softmax", "moe-top2-sigmoid"))
+    # Every run is its experiment's preset of the scale (conservation.PRESETS, scaling.PRESETS); the claims
+    # choose only which architectures. drift: the preset's SGD runs; full every architecture.
+    drift = {scale: drift_grid(scale, archs) for scale, archs in
+             (("quick", DRIFT_ARCHS), ("cpu", DRIFT_ARCHS), ("full", tuple(conservation.ARCHS)))}
+    tau = {scale: tuple({"arch": a, "scale": scale} for a in archs) for scale, archs in
+           (("quick", ("mha-rope-swiglu",)), ("full", scaling.PRESETS["full"].archs))}
+    router = {scale: tuple({"arch": a, "scale": scale, "decay_steps": ROUTER_DECAY_STEPS} for a in archs)
+              for scale, archs in ROUTER_ARCHS.items()}
     return [
-        Claim("conservation", "conservation.drift", "000", TEXTS["conservation.drift"], drift_q, drift_f, run_drift,
-              drift_verdict, cpu=drift_c),
-        Claim("conservation", "conservation.tau-squared", "000", TEXTS["conservation.tau-squared"], tau_q, tau_f,
-              run_scaling_claim, tau_verdict),
-        Claim("conservation", "conservation.sigmoid-router", "000", TEXTS["conservation.sigmoid-router"], router_q,
-              router_f, run_scaling_claim, router_verdict),
+        Claim("conservation", "conservation.drift", "000", TEXTS["conservation.drift"], drift["quick"], drift["full"],
+              run_drift, drift_verdict, cpu=drift["cpu"]),
+        Claim("conservation", "conservation.tau-squared", "000", TEXTS["conservation.tau-squared"], tau["quick"],
+              tau["full"], run_scaling_claim, tau_verdict),
+        Claim("conservation", "conservation.sigmoid-router", "000", TEXTS["conservation.sigmoid-router"],
+              router["quick"], router["full"], run_scaling_claim, router_verdict),
     ]

@@ -30,15 +30,16 @@ def _clean(row: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def mlp_config(config: Mapping[str, Any]):
-    """The run config of one ablation run: the preset's variant, with the non-None other keys as overrides."""
+    """The run config of one ablation run: the variant at ``config["scale"]``
+    (:data:`flowgeom.experiments.continuity_mlp.PRESETS`), the non-None other keys as overrides."""
     from flowgeom.experiments.continuity_mlp import variant_config
 
-    overrides = {k: v for k, v in config.items() if k not in ("variant", "preset") and v is not None}
-    return variant_config(config["variant"], config["preset"], **overrides)
+    overrides = {k: v for k, v in config.items() if k not in ("variant", "scale") and v is not None}
+    return variant_config(config["variant"], config["scale"], **overrides)
 
 
 def run_mlp(config: Mapping[str, Any], folder: RunFolder, resume: bool) -> dict[str, Any]:
-    """One ablation variant: ``config = {"variant", "preset", "seed", "steps"}``."""
+    """One ablation variant: ``config = {"scale", "variant", "seed"}``."""
     from flowgeom.experiments.continuity_mlp import summarise_run, train_mlp
 
     cfg = mlp_config(config)
@@ -265,14 +266,15 @@ def mlp_verdict(runs: Sequence[RunRecord], figures_dir: Path) -> Verdict:
 
 
 def lm_run_config(config: Mapping[str, Any]):
-    """The run config of one LM run: the preset with the non-None other keys as overrides."""
+    """The run config of one LM run: ``config["scale"]``'s preset
+    (:data:`flowgeom.experiments.continuity_lm.PRESETS`) with the non-None other keys as overrides."""
     from flowgeom.experiments.continuity_lm import lm_config
 
-    return lm_config(config["preset"], **{k: v for k, v in config.items() if k != "preset" and v is not None})
+    return lm_config(config["scale"], **{k: v for k, v in config.items() if k != "scale" and v is not None})
 
 
 def run_lm(config: Mapping[str, Any], folder: RunFolder, resume: bool) -> dict[str, Any]:
-    """The small LM with continuity tracking; ``config = {"preset", "mlp", "seed", "steps"}``."""
+    """The small LM with continuity tracking; ``config = {"scale", "mlp", "seed"}``."""
     from flowgeom.experiments.continuity_lm import projection_pattern, train_lm
 
     cfg = lm_run_config(config)
@@ -375,27 +377,31 @@ TEXTS = {
 
 
 def _mlp_claim() -> Claim:
-    from flowgeom.experiments.continuity_mlp import CORE, CPU, summarise_run, train_mlp, variant_config  # noqa: F401
+    from flowgeom.experiments.continuity_mlp import CORE, summarise_run, train_mlp, variant_config  # noqa: F401
 
     every = CORE + SCALE_VARIANTS
 
+    def at(scale: str, variants: Sequence[str], seeds: Sequence[int]) -> tuple[dict[str, Any], ...]:
+        return tuple({"scale": scale, "variant": v, "seed": s} for v in variants for s in seeds)
+
+    # Every run is the experiment's preset of its scale (continuity_mlp.PRESETS): quick the core variants,
+    # cpu and full the seed's init-scale and optimiser variants too; cpu one seed, full three.
     return Claim("continuity", "continuity.mlp-ablation", "001", TEXTS["continuity.mlp-ablation"],
-                 quick=tuple({"variant": v, "preset": "quick", "seed": 0, "steps": 300} for v in CORE),
-                 full=tuple({"variant": v, "preset": "full", "seed": s, "steps": None} for v in every for s in range(3)),
-                 # the CPU preset (the seed's model and data, 8000 steps), one seed; spelled as full + overrides so
-                 # the run ids of results/full/ stay those of the sweep that made them
-                 cpu=tuple({"variant": v, "preset": "full", "seed": 0, "steps": CPU.steps, "log_every": CPU.log_every}
-                           for v in every),
+                 quick=at("quick", CORE, (0,)), full=at("full", every, range(3)), cpu=at("cpu", every, (0,)),
                  run=run_mlp, verdict=mlp_verdict)
+
+
+LM_FULL_MLPS = ("swiglu", "gelu", "identity")  # the full grid's MLP ablation; quick and cpu train SwiGLU only
 
 
 def _lm_claim() -> Claim:
     from flowgeom.experiments.continuity_lm import lm_config, projection_pattern, train_lm  # noqa: F401
 
+    # Every run is the experiment's preset of its scale (continuity_lm.PRESETS).
     return Claim("continuity", "continuity.lm-projection", "001", TEXTS["continuity.lm-projection"],
-                 quick=({"preset": "quick", "mlp": "swiglu", "seed": 0, "steps": 200},),
-                 full=tuple({"preset": "full", "mlp": m, "seed": 0, "steps": None} for m in ("swiglu", "gelu", "identity")),
-                 cpu=({"preset": "cpu", "mlp": "swiglu", "seed": 0, "steps": None},),
+                 quick=({"scale": "quick", "mlp": "swiglu", "seed": 0},),
+                 full=tuple({"scale": "full", "mlp": m, "seed": 0} for m in LM_FULL_MLPS),
+                 cpu=({"scale": "cpu", "mlp": "swiglu", "seed": 0},),
                  run=run_lm, verdict=lm_verdict)
 
 

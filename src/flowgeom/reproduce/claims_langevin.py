@@ -66,13 +66,12 @@ def villani_verdict(runs: Sequence[RunRecord], figures_dir: Path) -> Verdict:
 
 
 def darcy_config(config: Mapping[str, Any]):
-    """The DarcyConfig of one run: the preset of ``config["scale"]`` with the other keys as overrides."""
-    import dataclasses
-
+    """The DarcyConfig of one run: the preset of ``config["scale"]`` (:data:`flowgeom.experiments.darcy.PRESETS`)
+    with the other keys as overrides."""
     from flowgeom.experiments import darcy
+    from flowgeom.experiments.presets import preset
 
-    base = darcy.QUICK if config["scale"] == "quick" else darcy.FULL
-    return dataclasses.replace(base, **{k: v for k, v in config.items() if k != "scale"})
+    return preset(darcy.PRESETS, config["scale"], **{k: v for k, v in config.items() if k != "scale"})
 
 
 def run_darcy(config: Mapping[str, Any], folder: RunFolder, resume: bool) -> dict[str, Any]:
@@ -154,13 +153,13 @@ def _villani_claim() -> Claim:
 def _darcy_claim() -> Claim:
     from flowgeom.experiments import darcy
 
-    for name in ("QUICK", "FULL", "run"):
+    for name in ("PRESETS", "run"):
         if not hasattr(darcy, name):
             raise ImportError(f"flowgeom.experiments.darcy has no {name}")
+    # Every run is darcy.PRESETS of its scale (cpu = full: the whole protocol fits one core, ~35 min a seed).
     return Claim("langevin", "langevin.darcy", "004", TEXTS["langevin.darcy"],
                  quick=({"scale": "quick", "seed": 0},), full=grid(scale=["full"], seed=[0, 1, 2]),
-                 cpu=({"scale": "full", "seed": 0},),  # the full two-phase protocol, one seed: ~35 min on one core
-                 run=run_darcy, verdict=darcy_verdict)
+                 cpu=({"scale": "cpu", "seed": 0},), run=run_darcy, verdict=darcy_verdict)
 
 
 def claims() -> list[Claim]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from flowgeom.errors import FlowgeomError
-from flowgeom.runs import atomic_write_bytes, atomic_write_json, confined
+from flowgeom.runs import atomic_write_bytes, atomic_write_json
 
 KEPT_SUFFIXES = (".json", ".jsonl", ".md", ".html", ".png", ".svg", ".csv", ".txt")
 MAX_BYTES = 2_000_000  # per file: a figure or a long metrics log, never a checkpoint
@@ -47,9 +47,10 @@ def export_results(out: str | Path, dest: str | Path, *, max_bytes: int = MAX_BY
         if path.suffix not in KEPT_SUFFIXES or path.stat().st_size > max_bytes:
             left.append(str(rel))
             continue
-        target = confined(dest, dest / rel, "--export file")  # a planted link would carry the copy outside
-        atomic_write_bytes(target, path.read_bytes())  # <= max_bytes
+        # root=dest: a link planted in dest (at the file or a folder on the way) is refused, never followed
+        atomic_write_bytes(dest / rel, path.read_bytes(), root=dest, what="--export file")  # <= max_bytes
         copied.append(str(rel))
-    atomic_write_json(confined(dest, dest / "EXPORT.json", "--export file"), {"source": str(out), "copied": len(copied), "left_behind": left,
-                                             "rule": f"kept {', '.join(KEPT_SUFFIXES)} files up to {max_bytes} bytes"})
+    atomic_write_json(dest / "EXPORT.json", {"source": str(out), "copied": len(copied), "left_behind": left,
+                                             "rule": f"kept {', '.join(KEPT_SUFFIXES)} files up to {max_bytes} bytes"},
+                      root=dest, what="--export file")
     return {"copied": copied, "left": left}

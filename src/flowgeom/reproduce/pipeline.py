@@ -39,7 +39,7 @@ def default_out(scale: str, resume: bool) -> Path:
 def claim_verdict(claim, specs, outcomes, out: Path):
     """The claim's Verdict from its finished runs (failures and unavailability become "not run")."""
     from flowgeom.reproduce.registry import RunRecord, Verdict
-    from flowgeom.runs import RunFolder
+    from flowgeom.runs import RunFolder, confined
 
     if claim.unavailable:
         return Verdict("not run", "not run", how=claim.unavailable)
@@ -54,7 +54,7 @@ def claim_verdict(claim, specs, outcomes, out: Path):
     if not records:
         reason = failed[0].error if failed else "no run finished"
         return Verdict("no finished run", "not run", how=f"every run failed; first error: {reason}")
-    figures_dir = out / "claims" / claim.id / "figures"
+    figures_dir = confined(out, out / "claims" / claim.id / "figures", "figures folder")  # a planted link: refused
     try:
         verdict = claim.verdict(records, figures_dir)
     except Exception as exc:  # noqa: BLE001 - a broken verdict must not hide the other claims
@@ -151,8 +151,8 @@ def reproduce(claims: Sequence[Any], *, out: str | Path, scale: str = "quick", b
         "machine": machine_info(), "claims": rows, "failures": [o.as_dict() for o in result.failed],
     }
     try:
-        atomic_write_json(out / "sweep.json", result.as_dict())
-        atomic_write_json(out / REPORT_JSON, report)
+        atomic_write_json(out / "sweep.json", result.as_dict(), root=out)
+        atomic_write_json(out / REPORT_JSON, report, root=out)
         md, page = write_report(out)
     except FlowgeomError as exc:
         counts = result.as_dict()

@@ -43,13 +43,15 @@ from pathlib import Path
 from typing import Any
 
 from flowgeom.errors import FlowgeomError, choice_error
+from flowgeom.experiments.presets import SCALES as PRESET_SCALES
 from flowgeom.runs import RunFolder, to_json
 
 AREAS = ("laws", "conservation", "continuity", "langevin")
 AREA_SEED = {"laws": "000", "conservation": "000", "continuity": "001", "langevin": "004"}
 # quick: laptop minutes; cpu: the paper-scale protocol cut to what 2 CPU cores train in about two hours (the
 # seed's model where it fits, else the largest that does, fewer seeds); full: the seeds' own configurations.
-SCALES = ("quick", "cpu", "full")
+# The scales of the experiments' presets (flowgeom.experiments.presets), which every claim's grids read.
+SCALES = PRESET_SCALES
 VERDICTS = ("reproduced", "not reproduced", "differs", "not run")
 SEEDS = {
     "000": "Conservation Laws for Modern Neural Architectures (seed 000)",

@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flowgeom.errors import FlowgeomError, choice_error
+from flowgeom.errors import FlowgeomError, choice_error, positive_int
 from flowgeom.files import read_text, regular_file
 from flowgeom.reproduce.registry import Claim, RunFn, run_id
 from flowgeom.runs import RunFolder, atomic_write_bytes, atomic_write_json, confined
@@ -155,13 +155,14 @@ def execute(spec: RunSpec, resume: bool) -> Outcome:
             raise FlowgeomError(f"run function of {spec.claim_id} returned {type(summary).__name__}, not a dict")
         seconds = time.perf_counter() - start
         atomic_write_json(folder.path / TIMING, {"seconds": seconds, "cpu_seconds": time.process_time() - cpu,
-                                                 "resumed": resuming, "pid": os.getpid()})
+                                                 "resumed": resuming, "pid": os.getpid()}, root=folder.path)
         folder.finish(summary)
         return Outcome(spec.key, "finished", seconds, resumed=resuming, files=result_files(folder.path))
     except Exception as exc:  # noqa: BLE001 - every failure is reported, the sweep goes on
         reason = _reason(exc)
         try:
-            atomic_write_bytes(folder.path / ERROR, (reason + "\n\n" + traceback.format_exc()).encode())
+            atomic_write_bytes(folder.path / ERROR, (reason + "\n\n" + traceback.format_exc()).encode(),
+                               root=folder.path)
         except Exception:  # noqa: BLE001 - the folder itself may be what failed
             pass
         return Outcome(spec.key, "failed", time.perf_counter() - start, error=reason, resumed=resuming)
@@ -314,8 +315,7 @@ def run_sweep(specs: Sequence[RunSpec], *, backend: str = "local", jobs: int = 1
     """
     if backend not in BACKENDS:
         raise choice_error("backend", backend, BACKENDS)
-    if jobs < 1:
-        raise FlowgeomError(f"--jobs must be a positive integer, got {jobs}")
+    positive_int(jobs, "--jobs")
     start = time.perf_counter()
     on_start = on_start or (lambda spec: None)
     user_done = on_done or (lambda spec, outcome: None)

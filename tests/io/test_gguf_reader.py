@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import struct
+import sys
+from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
 import torch
-from synthetic_checkpoints import write_gguf as _write
 
-from flowgeom.continuity import open_source
-from flowgeom.gguf_file import GGML_TYPES
-from flowgeom.errors import FlowgeomError
+sys.path.insert(0, str(Path(__file__).parents[1] / "continuity"))  # the synthetic checkpoint writers
+from synthetic_checkpoints import write_gguf as _write  # noqa: E402
+
+from flowgeom.errors import FlowgeomError  # noqa: E402
+from flowgeom.io import open_source  # noqa: E402
+from flowgeom.io.gguf import GGML_TYPES  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 
@@ -151,7 +155,7 @@ def _reference_fields(path):
 
 
 def test_metadata_equals_the_gguf_package(tmp_path):
-    from flowgeom.gguf_file import open_gguf
+    from flowgeom.io.gguf import open_gguf
 
     path = tmp_path / "kv.gguf"
     _write_kv(path)
@@ -174,7 +178,7 @@ def test_metadata_equals_the_gguf_package(tmp_path):
 
 def test_metadata_is_decoded_only_when_asked(tmp_path):
     """Opening walks the key/value section once and decodes nothing but general.alignment."""
-    from flowgeom.gguf_file import open_gguf
+    from flowgeom.io.gguf import open_gguf
 
     path = tmp_path / "kv.gguf"
     _write_kv(path)
@@ -182,13 +186,13 @@ def test_metadata_is_decoded_only_when_asked(tmp_path):
         assert f.metadata._done == {}  # the analyzer's path: no value decoded
         assert f.metadata["t.str"] == "héllo ⟨x⟩"
         assert set(f.metadata._done) == {"t.str"}
-    src = open_source(path)  # continuity's source reads the same metadata through the same reader
+    src = open_source(path)  # the tensor source reads the same metadata through the same reader
     assert src.metadata["t.ints"] == [3, 1, 4, 1, 5]
 
 
 def test_metadata_strings_with_broken_utf8_are_replaced(tmp_path):
     """A value string that is not UTF-8 (a partial byte token) decodes with U+FFFD; a key must be UTF-8."""
-    from flowgeom.gguf_file import open_gguf
+    from flowgeom.io.gguf import open_gguf
 
     path = tmp_path / "kv.gguf"
     _write_kv(path)
@@ -207,7 +211,7 @@ def test_metadata_strings_with_broken_utf8_are_replaced(tmp_path):
 
 
 def test_duplicate_key_and_hostile_values_refused_at_open(tmp_path):
-    from flowgeom.gguf_file import open_gguf
+    from flowgeom.io.gguf import open_gguf
 
     path = tmp_path / "kv.gguf"
     _write_kv(path)
@@ -232,7 +236,7 @@ def test_duplicate_key_and_hostile_values_refused_at_open(tmp_path):
 def test_open_gguf_refuses_a_fifo_and_a_missing_file(tmp_path):
     import os
 
-    from flowgeom.gguf_file import open_gguf
+    from flowgeom.io.gguf import open_gguf
 
     fifo = tmp_path / "pipe.gguf"
     os.mkfifo(fifo)

