@@ -77,9 +77,10 @@ def image_shape(dims: Sequence[object], names: Sequence[str], *, where: str, fix
         raise FlowgeomError(f"{where} has shape {tuple(dims)}; expected ({', '.join(names)}); {fix}")
     out = tuple(file_int(v, n, where=where, fix=fix, limits=IMAGE_LIMITS[n], beyond="no real image set is that size")
                 for v, n in zip(dims, names))
-    values = math.prod(d for d, n in zip(out, names) if n not in ("images", "labels"))
+    image = tuple(d for d, n in zip(out, names) if n not in ("images", "labels"))
+    values = math.prod(image)
     if values > MAX_IMAGE_VALUES:
-        raise FlowgeomError(f"{where}: one image of shape {out} holds {values} values, over {MAX_IMAGE_VALUES} "
+        raise FlowgeomError(f"{where}: one image of shape {image} holds {values} values, over {MAX_IMAGE_VALUES} "
                             f"(no real image is that large); {fix}")
     return out
 

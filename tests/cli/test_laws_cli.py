@@ -33,7 +33,7 @@ def test_laws_list_json_covers_the_zoo(capsys):
     (["laws", "show", "transformer"], "unknown architecture"),
     (["laws", "show", "mha", "--positions", "rope", "--d-k", "3"], "even"),
     (["laws", "show", "moe", "--top-k", "9"], "top-k"),
-    (["laws", "show", "swiglu", "--d-hidden", "-2"], "positive"),
+    (["laws", "show", "swiglu", "--d-hidden", "-2"], "--d-hidden must be a whole number >= 1, got -2"),
     (["laws", "show", "swiglu", "--experts", "2"], "does not apply"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, fragment, capsys):

@@ -77,7 +77,7 @@ def test_progress_reaches_every_layer_from_the_worker_threads():
 
 
 def test_workers_must_be_positive():
-    with pytest.raises(FlowgeomError, match="--workers must be a positive integer"):
+    with pytest.raises(FlowgeomError, match="--workers must be a whole number >= 1, got 0"):
         AnalyzeConfig(workers=0)
 
 

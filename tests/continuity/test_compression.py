@@ -8,13 +8,14 @@ import math
 
 import pytest
 import torch
-from test_share_evaluate import _byte_tokenizer, _run, hf_tiny
+from test_share_evaluate import _byte_tokenizer, _run, _state, hf_tiny
 
 from flowgeom.continuity import compression as C
 from flowgeom.continuity import factorize as fz
 from flowgeom.continuity.calibrate import GRAM_KEYS, cached_calibration, calibrate, sequences
 from flowgeom.continuity.checkpoint_out import save_llama_folder
 from flowgeom.continuity.factored import factored_hf_llama, factored_llama, projection_bytes, read_factored
+from flowgeom.errors import FlowgeomError
 from flowgeom.nn.llama import LlamaConfig, llama_from_state, llama_state_dict
 
 transformers = pytest.importorskip("transformers")
@@ -149,6 +150,62 @@ def test_basis_sharing_uses_the_papers_rank_rule_and_split(tiny):
         assert g == (2 if u.role in C.BS_SHARED else 1)
 
 
+def test_data_free_share_plan_groups_counts_and_leaves_the_input_alone():
+    state = _state()  # 5 layers, float64
+    before = {k: v.clone() for k, v in state.items()}
+    p = C.with_rank(C.plan("share", state, n_layers=5, ratio=0.2, roles=("q", "down"), group=2,
+                           spaces={"q": "input", "down": "output"}), 3)
+    comp = C.compress(p, state, None)
+    new = comp.dense_state(state)
+    assert state.keys() == before.keys() and all(torch.equal(state[k], before[k]) for k in state)
+    roles = p.by_role()
+    assert roles["q"]["groups"] == [[0, 1], [2, 3], [4]] and roles["q"]["spaces"] == ["input"] * 3
+    # q: (48, 48); groups of 2, 2, 1: each stores a 3x48 basis plus 48x3 per layer
+    assert roles["q"]["stored"] == 3 * (3 * 48) + 5 * (48 * 3) and roles["q"]["dense"] == 5 * 48 * 48
+    # down: (48, 80) output space: basis 48x3 + per layer 3x80
+    assert roles["down"]["stored"] == 3 * 48 * 3 + 5 * 3 * 80 and roles["down"]["spaces"] == ["output"] * 3
+    assert [f.stored() for f in comp.factors] == [u.stored_params for u in p.units]  # counted = held
+    # group [2, 3] against projectors from torch's SVD of its stacks
+    q = torch.stack([state[C.weight_key(l, "q")] for l in (2, 3)])  # (2, 48, 48)
+    Vh = torch.linalg.svd(q.reshape(96, 48))[2][:3]  # top right singular vectors of [W_2; W_3], (3, 48)
+    down = torch.stack([state[C.weight_key(l, "down")] for l in (2, 3)])  # (2, 48, 80)
+    U = torch.linalg.svd(torch.cat(list(down), dim=1))[0][:, :3]  # top left singular vectors of [W_2, W_3], (48, 3)
+    for i, l in enumerate((2, 3)):
+        assert torch.allclose(new[C.weight_key(l, "q")].double(), q[i] @ Vh.T @ Vh)
+        assert torch.allclose(new[C.weight_key(l, "down")].double(), U @ U.T @ down[i])
+    assert torch.equal(new[C.weight_key(0, "v")], state[C.weight_key(0, "v")])
+
+
+def test_data_free_svd_reaches_the_eckart_young_error():
+    state = _state()
+    p = C.with_rank(C.plan("svd", state, n_layers=5, ratio=0.2, roles=("up",)), 4)
+    new = C.compress(p, state, None).dense_state(state)
+    assert p.stored_params == 5 * 4 * (80 + 48)
+    for l in range(5):
+        W, W4 = state[C.weight_key(l, "up")], new[C.weight_key(l, "up")]  # (80, 48) float64, its float32 rank 4
+        U, s, Vh = torch.linalg.svd(W, full_matrices=False)
+        rel_error = float(torch.linalg.matrix_norm(W - W4.double()) / s.norm())
+        assert math.isclose(rel_error, float(s[4:].norm() / s.norm()), rel_tol=1e-9)
+        assert torch.allclose(W4.double(), (U[:, :4] * s[:4]) @ Vh[:4])  # the truncation itself, to float32
+        assert torch.linalg.matrix_rank(W4) == 4
+
+
+def test_bad_compression_input_is_one_error():
+    state = _state()
+    p = C.plan("share", state, n_layers=5, ratio=0.2, roles=("q",), group=2)
+    with pytest.raises(FlowgeomError, match="rank bound 48"):
+        C.with_rank(p, 49)
+    with pytest.raises(FlowgeomError, match="--group 6 is outside 1..5"):
+        C.plan("share", state, n_layers=5, ratio=0.2, roles=("q",), group=6)
+    with pytest.raises(FlowgeomError, match="unknown space 'diagonal'"):
+        C.plan("share", state, n_layers=5, ratio=0.2, roles=("q",), spaces={"q": "diagonal"})
+    with pytest.raises(FlowgeomError, match="unknown role 'qq'"):
+        C.plan("svd", state, n_layers=5, ratio=0.2, roles=("qq",))
+    del state[C.weight_key(3, "k")]
+    with pytest.raises(FlowgeomError, match=r"role k .*missing in layer\(s\) \[3\]"):
+        C.plan("share", state, n_layers=5, ratio=0.2, roles=("k",), group=2)
+
+
 def test_whiten_beats_data_free_svd_on_held_out_perplexity(tiny, tmp_path, capsys):
     for method in ("svd", "whiten"):
         assert _share(capsys, tiny, tmp_path / method, "--method", method, "--budget", "0.4")[0] == 0
@@ -239,8 +296,6 @@ def test_share_calibration_text_problems(tiny, tmp_path, capsys):
 
 def test_too_few_calibration_tokens_for_the_widest_input_names_the_count(tiny):
     from flowgeom.continuity.calibrate import check_rank
-    from flowgeom.errors import FlowgeomError
-
     with pytest.raises(FlowgeomError, match=r"at least 1,536 are needed"):
         check_rank({"attn": 576, "o": 576, "mlp": 576, "down": 1536}, 1024)
 

@@ -132,3 +132,59 @@ def test_rank_rule_is_basis_sharings_formula_and_never_over_budget(m, n, g, c):
     assert (k + 1) * (n + g * m) > (1 - c) * g * m * n or k == min(m, n)
     with pytest.raises(FlowgeomError, match="fraction"):
         fz.rank_for_ratio(m, n, g, 1.0)
+
+
+# ---------------------------------------------------------------- data-free (grams None): plain SVD of the stack
+
+def _orthonormal(k, r, gen):
+    return torch.linalg.qr(torch.randn(k, r, generator=gen, dtype=torch.float64))[0]  # (k, r)
+
+
+@settings(max_examples=25, deadline=None)
+@given(g=st.integers(1, 4), m=st.integers(3, 9), n=st.integers(3, 9), data=st.data())
+def test_data_free_sharing_reproduces_a_planted_basis_exactly(g, m, n, data):
+    r = data.draw(st.integers(1, min(m, n)))
+    gen = torch.Generator().manual_seed(g * 100 + m * 10 + n)
+    V, U = _orthonormal(n, r, gen), _orthonormal(m, r, gen)
+    w_in = torch.randn(g, m, r, generator=gen, dtype=torch.float64) @ V.T  # (g, m, n), rows in span V
+    w_out = U @ torch.randn(g, r, n, generator=gen, dtype=torch.float64)  # (g, m, n), columns in span U
+    assert torch.allclose(fz.share_input(w_in, None, r).dense(), w_in, atol=1e-10)
+    assert torch.allclose(fz.share_output(w_out, None, r).dense(), w_out, atol=1e-10)
+    if g >= 2 and r < m:  # the wrong space needs rank min(m, g r) > r: it loses information (the test can fail)
+        assert not torch.allclose(fz.factorize(w_in, None, r, "output").dense(), w_in, atol=1e-6)
+
+
+def test_data_free_basis_spans_the_top_singular_space_of_the_stack():
+    gen = torch.Generator().manual_seed(5)
+    mats = torch.randn(3, 7, 5, generator=gen, dtype=torch.float64)
+    r = 2
+    vertical, horizontal = mats.reshape(21, 5), torch.cat(list(mats), dim=1)  # (g m, n), (m, g n)
+    _, s_in, Vh = torch.linalg.svd(vertical)
+    P_ref = Vh[:r].T @ Vh[:r]
+    f = fz.share_input(mats, None, r)
+    assert torch.allclose(f.basis @ f.basis.T, torch.eye(r, dtype=torch.float64), atol=1e-12)  # (k, n) orthonormal
+    assert torch.allclose(f.basis.T @ f.basis, P_ref, atol=1e-10)
+    assert torch.allclose(f.sigma, s_in, atol=1e-10)
+    U_ref, s_out, _ = torch.linalg.svd(horizontal)
+    out = fz.share_output(mats, None, r)
+    assert torch.allclose(out.basis @ out.basis.T, U_ref[:, :r] @ U_ref[:, :r].T, atol=1e-10)
+    assert torch.allclose(out.sigma, s_out, atol=1e-10)
+    # coefficients + basis rebuild the projection
+    assert torch.stack(f.coeffs).shape == (3, 7, 2) and torch.allclose(f.dense(), mats @ P_ref, atol=1e-10)
+
+
+def test_parameter_counts_and_rank_rule_by_hand():
+    # 3 layers of (m, n) = (6, 4) at rank 2: one basis plus every layer's coefficients
+    assert 2 * fz.stored_per_rank(6, 4, 3, "input") == 4 * 2 + 3 * 6 * 2 == 44
+    assert 2 * fz.stored_per_rank(6, 4, 3, "output") == 6 * 2 + 3 * 2 * 4 == 36
+    assert 2 * fz.stored_per_rank(6, 4, 1, "input") == 2 * (6 + 4) == 20  # per-layer SVD, (U S) V^T
+    mats = torch.randn(3, 6, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    assert fz.share_input(mats, None, 2).stored() == 44 and fz.share_output(mats, None, 2).stored() == 36
+    # the largest k with k * stored_per_rank <= (1 - c) g m n, at most min(m, n); 0 when rank 1 does not fit
+    assert fz.rank_for_ratio(6, 4, 1, 0.5) == 1  # 0.5 * 24 / 10 = 1.2
+    assert fz.rank_for_ratio(6, 4, 3, 0.5, "output") == 2  # 0.5 * 72 / 18 = 2 exactly: fits
+    assert fz.rank_for_ratio(6, 4, 3, 0.5, "input") == 1  # 0.5 * 72 / 22 = 1.6
+    assert fz.rank_for_ratio(6, 4, 10, 0.0, "output") == 4  # 240 / 46 = 5.2, clamped to min(m, n)
+    assert fz.rank_for_ratio(6, 4, 1, 0.9) == 0  # 0.1 * 24 / 10 = 0.24
+    with pytest.raises(FlowgeomError, match="unknown space 'diagonal'; choose one of: input, output"):
+        fz.stored_per_rank(6, 4, 3, "diagonal")

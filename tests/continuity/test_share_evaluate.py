@@ -1,5 +1,5 @@
-"""continuity share / evaluate: our Llama forward against transformers, the sharing maths against
-independent computations, the GGUF loader (q/k unpermute), perplexity windows, and the CLI's refusals."""
+"""continuity share / evaluate: our Llama forward against transformers, the GGUF loader (q/k unpermute), layer
+dropping, perplexity windows, and the CLI's refusals (the sharing maths: test_factorize.py, test_compression.py)."""
 
 from __future__ import annotations
 
@@ -131,82 +131,11 @@ def test_gguf_loader_unpermutes_qk_and_matches_transformers(tmp_path):
         assert (model(ids) - hf(ids).logits).abs().max() < 1e-4
 
 
-# ---------------------------------------------------------------- sharing maths
-
-def _orthonormal(k, r, gen):
-    q, _ = torch.linalg.qr(torch.randn(k, r, generator=gen, dtype=torch.float64))
-    return q  # (k, r)
-
-
-@settings(max_examples=25, deadline=None)
-@given(g=st.integers(1, 4), m=st.integers(3, 9), n=st.integers(3, 9), data=st.data())
-def test_planted_shared_basis_is_reproduced_exactly(g, m, n, data):
-    r = data.draw(st.integers(1, min(m, n)))
-    gen = torch.Generator().manual_seed(g * 100 + m * 10 + n)
-    V, U = _orthonormal(n, r, gen), _orthonormal(m, r, gen)
-    w_in = torch.randn(g, m, r, generator=gen, dtype=torch.float64) @ V.T  # (g, m, n), rows in span V
-    w_out = U @ torch.randn(g, r, n, generator=gen, dtype=torch.float64)  # (g, m, n), columns in span U
-    assert torch.allclose(compress.share_stack(w_in, r, "input"), w_in, atol=1e-10)
-    assert torch.allclose(compress.share_stack(w_out, r, "output"), w_out, atol=1e-10)
-    if g >= 2 and r < m:  # the wrong space needs rank min(m, g r) > r: it loses information (the test can fail)
-        assert not torch.allclose(compress.share_stack(w_in, r, "output"), w_in, atol=1e-6)
-
-
-def test_shared_basis_equals_svd_of_the_stacked_matrices():
-    gen = torch.Generator().manual_seed(5)
-    mats = torch.randn(3, 7, 5, generator=gen, dtype=torch.float64)
-    r = 2
-    _, _, Vh = torch.linalg.svd(mats.reshape(21, 5))  # vertical stack (g m, n)
-    P_ref = Vh[:r].T @ Vh[:r]
-    V = compress.shared_basis(mats, r, "input")
-    assert torch.allclose(V @ V.T, P_ref, atol=1e-10)
-    U_ref, _, _ = torch.linalg.svd(torch.cat(list(mats), dim=1))  # horizontal stack (m, g n)
-    U = compress.shared_basis(mats, r, "output")
-    assert torch.allclose(U @ U.T, U_ref[:, :r] @ U_ref[:, :r].T, atol=1e-10)
-    # coefficients + basis rebuild the projection
-    C = compress.coefficients(mats, V, "input")
-    assert C.shape == (3, 7, 2) and torch.allclose(compress.reconstruct(C, V, "input"), mats @ P_ref, atol=1e-10)
-
-
-def test_parameter_counts_by_hand():
-    assert compress.shared_params(6, 4, 3, 2, "input") == 4 * 2 + 3 * 6 * 2 == 44
-    assert compress.shared_params(6, 4, 3, 2, "output") == 6 * 2 + 3 * 2 * 4 == 36
-    assert compress.svd_params(6, 4, 2) == 20
-    assert compress.svd_rank_for_budget(6, 4, 44 / 3) == 1
-
+# ---------------------------------------------------------------- layer dropping
 
 def _state(n_layers=5, seed=0):
     hf = hf_tiny(num_hidden_layers=n_layers, seed=seed)
     return {k: v.double() for k, v in hf.state_dict().items()}
-
-
-def test_share_state_dict_groups_counts_and_leaves_the_input_alone():
-    state = _state()
-    before = {k: v.clone() for k, v in state.items()}
-    new, results = compress.share_state_dict(state, {"q": "input", "down": "output"}, n_layers=5, group=2, rank=3)
-    assert all(torch.equal(state[k], before[k]) for k in state)
-    q, down = results
-    assert q.groups == [[0, 1], [2, 3], [4]]
-    # q: (48, 48); groups of 2, 2, 1: each stores a 48x3 basis plus 48x3 per layer
-    assert q.stored_params == 3 * (48 * 3) + 5 * (48 * 3) and q.dense_params == 5 * 48 * 48
-    # down: (48, 80) output space: basis 48x3 + per layer 3x80
-    assert down.stored_params == 3 * 48 * 3 + 5 * 3 * 80
-    for l in (2, 3):  # the group's reconstruction is its own projection
-        key = f"model.layers.{l}.self_attn.q_proj.weight"
-        stack = torch.stack([state[f"model.layers.{i}.self_attn.q_proj.weight"] for i in (2, 3)])
-        assert torch.allclose(new[key], compress.share_stack(stack, 3, "input")[l - 2])
-    assert torch.equal(new["model.layers.0.self_attn.v_proj.weight"], state["model.layers.0.self_attn.v_proj.weight"])
-
-
-def test_per_layer_svd_reaches_the_eckart_young_error():
-    state = _state()
-    new, (res,) = compress.svd_state_dict(state, ["up"], n_layers=5, rank=4)
-    for l in range(5):
-        W = state[f"model.layers.{l}.mlp.up_proj.weight"]
-        s = torch.linalg.svdvals(W)
-        assert math.isclose(res.rel_error[l], float(s[4:].norm() / s.norm()), rel_tol=1e-9)
-        assert torch.linalg.matrix_rank(new[f"model.layers.{l}.mlp.up_proj.weight"]) == 4
-    assert res.stored_params == 5 * 4 * (80 + 48)
 
 
 def test_drop_layers_renumbers_and_runs():
@@ -232,17 +161,6 @@ def test_drop_orders():
     report = {"roles": {"q": {"pairs": [{"a": 0, "b": 1, "distance": 1, "subspace_in": 0.8, "subspace_out": 0.1},
                                         {"a": 1, "b": 2, "distance": 1, "subspace_in": 0.2, "subspace_out": 0.1}]}}}
     assert compress.continuity_scores(report) == pytest.approx({0: 0.8, 1: 0.5, 2: 0.2})
-
-
-def test_bad_compression_input_is_one_error():
-    state = _state()
-    with pytest.raises(FlowgeomError, match="rank bound 48"):
-        compress.check_share(state, ["q"], n_layers=5, group=2, rank=49)
-    with pytest.raises(FlowgeomError, match="--group 6 is outside 1..5"):
-        compress.check_share(state, ["q"], n_layers=5, group=6, rank=2)
-    del state["model.layers.3.self_attn.k_proj.weight"]
-    with pytest.raises(FlowgeomError, match=r"role k .*not found in layer\(s\) \[3\]"):
-        compress.check_share(state, ["k"], n_layers=5, group=2, rank=2)
 
 
 # ---------------------------------------------------------------- perplexity
@@ -429,7 +347,7 @@ def test_share_never_overwrites_its_source(tiny_folder, tmp_path, capsys):
     (lambda c: c.pop("num_attention_heads"), "missing the Llama field(s) num_attention_heads"),
     (lambda c: (c.update(model_type="gpt2"), c.pop("hidden_size")), "model_type 'gpt2'; only llama"),  # named first
     (lambda c: c.update(hidden_size="48"), "field hidden_size must be an int, got '48'"),
-    (lambda c: c.update(num_attention_heads=0), "num_attention_heads must be a positive integer, got 0"),
+    (lambda c: c.update(num_attention_heads=0), "num_attention_heads must be a whole number >= 1, got 0"),
     (lambda c: c.update(rms_norm_eps="tiny"), "field rms_norm_eps must be a float"),
     (lambda c: c.update(tie_word_embeddings="yes"), "field tie_word_embeddings must be a bool"),
     (lambda c: c.update(rope_scaling="linear"), "rope_scaling must be an object"),
@@ -574,7 +492,7 @@ def test_share_auto_space_follows_the_analyzer(tiny_folder, tmp_path, capsys):
 
 
 def test_share_budget_picks_the_largest_rank_that_saves_it(tiny_folder, tmp_path, capsys):
-    from flowgeom.continuity.compress import shared_params
+    from flowgeom.continuity.factorize import stored_per_rank
 
     code, stdout, err = _run(capsys, "continuity", "share", *_opts(tiny_folder), str(tiny_folder), "--out", str(tmp_path / "b"), "--roles",
                              "q,gate,down", "--group", "2", "--budget", "0.3", "--space", "input", "--json")
@@ -583,11 +501,11 @@ def test_share_budget_picks_the_largest_rank_that_saves_it(tiny_folder, tmp_path
     assert report["budget"] == 0.3 and report["rank"] is None
     for role, r in report["roles"].items():
         (m, n), rank = r["shape"], r["rank"]
-        stored = sum(shared_params(m, n, len(g), rank, "input") for g in r["groups"])
+        stored = sum(rank * stored_per_rank(m, n, len(g), "input") for g in r["groups"])
         assert r["stored_params"] == stored and math.isclose(r["saved_fraction"], 1 - stored / r["dense_params"])
         if rank < min(m, n):  # the largest rank that fits: one more would save less than 30%
             assert r["saved_fraction"] >= 0.3
-            bigger = sum(shared_params(m, n, len(g), rank + 1, "input") for g in r["groups"])
+            bigger = sum((rank + 1) * stored_per_rank(m, n, len(g), "input") for g in r["groups"])
             assert 1 - bigger / r["dense_params"] < 0.3, role
     assert len({r["rank"] for r in report["roles"].values()}) > 1  # 48x48, 80x48, 48x80: ranks differ per role
     code, stdout, _ = _run(capsys, "continuity", "share", *_opts(tiny_folder), str(tiny_folder), "--out", str(tmp_path / "t"), "--roles",

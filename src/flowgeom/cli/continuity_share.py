@@ -2,7 +2,7 @@
 
 ``register_verbs(verbs)`` adds the verbs to the ``continuity`` area (see
 :mod:`flowgeom.cli.continuity`). The maths lives in
-:mod:`flowgeom.continuity.compress` and :mod:`flowgeom.continuity.lm_eval`;
+:mod:`flowgeom.continuity.share` and :mod:`flowgeom.continuity.lm_eval`;
 this module parses, validates, calls and prints. See docs/continuity-sharing.md.
 """
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 from flowgeom.cli._common import (
@@ -33,25 +32,6 @@ def _budgets(text: str) -> tuple[float, ...]:
         raise argparse.ArgumentTypeError("expected budgets like 0.1,0.2,0.3")
     return items
 
-
-def _progress(enabled: bool, label: str):
-    """A rich progress callback on stderr (terminal only) and the bar to open, or (None, None)."""
-    if not enabled or not sys.stderr.isatty():
-        return None, None
-    from rich.console import Console
-    from rich.markup import escape
-    from rich.progress import Progress
-
-    bar = Progress(console=Console(stderr=True), transient=True)
-    task = bar.add_task(escape(label), total=None)
-
-    def update(done: int, total: int) -> None:
-        bar.update(task, completed=done, total=total)
-
-    return bar, update
-
-
-# ---------------------------------------------------------------- share
 
 def _share_config(args: argparse.Namespace):
     from flowgeom.continuity.share import ShareConfig
@@ -169,65 +149,17 @@ def _print_sweep(result: dict) -> None:
 # ---------------------------------------------------------------- evaluate
 
 def run_evaluate(args: argparse.Namespace) -> int:
-    import torch
+    from contextlib import nullcontext
 
-    from flowgeom.continuity.lm_eval import QUICK_TOKENS, EvalConfig, perplexity, windows
-    from flowgeom.data.text import load_text
-    from flowgeom.data.tokens import cached_ids, load_tokenizer
-    from flowgeom.continuity.factored import load_model
-    from flowgeom.continuity.share import source_path
-    from flowgeom.runs import check_out_file
+    from flowgeom.continuity.evaluate import compare_models
+    from flowgeom.continuity.lm_eval import QUICK_TOKENS, EvalConfig
 
-    device = resolve_device(args.device)
     max_tokens = args.tokens or (None if args.full else QUICK_TOKENS)
     config = EvalConfig(context=args.context, stride=args.stride, max_tokens=max_tokens, batch=args.batch)
-    specs = [args.source] + list(args.compare or [])
-    paths = [source_path(s) for s in specs]  # every path checked before any model is loaded
-    if args.out:  # before any model is loaded; never over a model folder it reads (nor inside one)
-        check_out_file(args.out, inputs=paths)
-    tokenizer = load_tokenizer(paths[0])
-    text = load_text(args.text, split="test") if args.text == "kjv" else load_text(args.text)
-    ids = torch.from_numpy(cached_ids(text, tokenizer).astype("int64"))
-    n = len(ids) if max_tokens is None else min(len(ids), max_tokens)
-    windows(n, config.context, config.stride or config.context)  # text too short: one line, exit 2, nothing loaded
-    rows = []
-    for spec, path in zip(specs, paths):
-        t0 = time.perf_counter()
-        model = load_model(path).to(device)
-        load_seconds = time.perf_counter() - t0
-        if model.config.vocab_size < tokenizer.get_vocab_size():
-            raise FlowgeomError(f"{spec} has {model.config.vocab_size} token embeddings but the tokenizer of "
-                                f"{specs[0]} has {tokenizer.get_vocab_size()} tokens; compare models that share it")
-        bar, update = _progress(not args.json, f"{spec}")
-        if bar is not None:
-            with bar:
-                res = perplexity(model, ids.to(device), config, progress=update)
-        else:
-            res = perplexity(model, ids.to(device), config)
-        eval_seconds = res.pop("seconds")
-        row = {"model": spec, **res, "params": sum(p.numel() for p in model.parameters()),
-               "bytes_on_disk": sum(f.stat().st_size for f in (path.iterdir() if path.is_dir() else [path])
-                                    if f.is_file()),
-               "load_seconds": load_seconds, "eval_seconds": eval_seconds, "seconds": time.perf_counter() - t0}
-        share = path / "flowgeom_share.json" if path.is_dir() else None
-        if share is not None and share.is_file():
-            from flowgeom.runs import read_json_object
-
-            info = read_json_object(share, fix="re-run continuity share")
-            row["saved_params"] = info.get("saved_params")
-        rows.append(row)
-        del model
-    base = rows[0]["ppl"]
-    for row in rows:
-        row["ppl_ratio"] = row["ppl"] / base
-    result = {"text": args.text, "split": "test (last 5% of verses)" if args.text == "kjv" else "whole file",
-              "tokens_in_split": len(ids), "config": {"context": config.context,
-                                                      "stride": config.stride or config.context,
-                                                      "max_tokens": max_tokens}, "models": rows}
-    if args.out:
-        from flowgeom.runs import atomic_write_json
-
-        atomic_write_json(Path(args.out), result, inputs=paths)
+    bar, update = _stage_progress(not args.json)
+    with bar if bar is not None else nullcontext():
+        result = compare_models([args.source, *(args.compare or [])], text=args.text, config=config,
+                                device=resolve_device(args.device), out=args.out, progress=update)
     if args.json:
         print_json(result)
     else:

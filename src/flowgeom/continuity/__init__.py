@@ -14,18 +14,24 @@ and the random baselines ``analytic_baselines``, ``monte_carlo_baselines``,
 
 Compression and evaluation (``docs/continuity-sharing.md``)::
 
-    from flowgeom.continuity import share_state_dict, share_rank_for_budget, perplexity
+    from pathlib import Path
+    from flowgeom.continuity import ShareConfig, share_model
+    shared = share_model("builtin:smollm2", Path("runs/w20"), ShareConfig(method="whiten", budget=0.2))
+
+    from flowgeom.continuity import compression  # plan, then factorise, without writing a folder
     from flowgeom.nn.llama import llama_state_dict
     cfg, state = llama_state_dict("builtin:smollm2")
-    new, [res] = share_state_dict(state, {"q": "input"}, n_layers=cfg.num_hidden_layers, group=2, rank=300)
+    p = compression.plan("share", state, n_layers=cfg.num_hidden_layers, ratio=0.2, group=2)
+    new = compression.compress(p, state, None).dense_state(state)  # None: data-free; a Calibration whitens
 
-Pure stack functions ``shared_basis``, ``coefficients``, ``reconstruct``, ``share_stack``,
-``truncated_svd``; counts ``shared_params``, ``svd_params``, ``svd_rank_for_budget``,
-``share_rank_for_budget``, ``layer_groups``; state-dict level ``check_share``, ``share_state_dict``,
-``svd_state_dict``, ``drop_layers``, ``block_params``, ``continuity_scores``, ``drop_order``,
-``random_drop_order``; ``SEED_SPACE``, ``opposite``, ``RoleResult``; perplexity ``EvalConfig``, ``windows``,
-``perplexity``. Loaded on first use (they import more): ``save_llama_folder``
-(:mod:`flowgeom.continuity.checkpoint_out`), ``load_tokenizer``, ``cached_ids`` (:mod:`flowgeom.data.tokens`).
+Pure stack functions (:mod:`flowgeom.continuity.factorize`; ``grams`` None = data-free SVD) ``share_input``,
+``share_output`` returning ``Factors``; counts ``stored_per_rank``, ``rank_for_ratio``; ``layer_groups``,
+``SEED_SPACE``, ``opposite``; layer dropping ``drop_layers``, ``block_params``, ``continuity_scores``,
+``drop_order``, ``random_drop_order``; perplexity ``EvalConfig``, ``windows``, ``perplexity``. ``compress`` and
+``factorize`` are reached through their modules (:mod:`~flowgeom.continuity.compression`,
+:mod:`~flowgeom.continuity.factorize`), whose names they share. Loaded on first use (they import more):
+``save_llama_folder`` (:mod:`flowgeom.continuity.checkpoint_out`), ``load_tokenizer``, ``cached_ids``
+(:mod:`flowgeom.data.tokens`).
 
 Reading checkpoints lives below this package, in :mod:`flowgeom.io` (``open_source``, ``TensorSource`` and
 ``BUILTINS`` are re-exported here because :func:`analyze` takes what they describe); the Llama forward and its
@@ -36,27 +42,15 @@ from flowgeom.continuity.analyze import AnalyzeConfig, analyze, verdict
 from flowgeom.continuity.baselines import METRICS, analytic_baselines, expected_abs_cos, monte_carlo_baselines
 from flowgeom.continuity.compress import (
     SEED_SPACE,
-    RoleResult,
     block_params,
-    check_share,
-    coefficients,
     continuity_scores,
     drop_layers,
     drop_order,
     layer_groups,
     opposite,
     random_drop_order,
-    reconstruct,
-    share_rank_for_budget,
-    share_stack,
-    share_state_dict,
-    shared_basis,
-    shared_params,
-    svd_params,
-    svd_rank_for_budget,
-    svd_state_dict,
-    truncated_svd,
 )
+from flowgeom.continuity.factorize import Factors, rank_for_ratio, share_input, share_output, stored_per_rank
 from flowgeom.continuity.lm_eval import EvalConfig, perplexity, windows
 from flowgeom.continuity.metrics import (
     abs_cos,
@@ -70,6 +64,7 @@ from flowgeom.continuity.metrics import (
     v1_cos,
 )
 from flowgeom.continuity.naming import ROLES, SCHEMES, resolve_roles
+from flowgeom.continuity.share import ShareConfig, share_model
 from flowgeom.continuity.spectra import SingularPairs, full_singular_pairs, top_singular_pairs
 from flowgeom.io import BUILTINS, TensorSource, open_source
 
@@ -83,11 +78,10 @@ __all__ = [
     "index_matched_alignment", "pair_metrics", "subspace_alignment", "u1_cos", "v1_cos", "ROLES", "SCHEMES",
     "resolve_roles", "BUILTINS", "TensorSource", "open_source", "SingularPairs", "full_singular_pairs",
     "top_singular_pairs",
-    # compression (flowgeom.continuity.compress) and perplexity (flowgeom.continuity.lm_eval)
-    "SEED_SPACE", "RoleResult", "block_params", "check_share", "coefficients", "continuity_scores", "drop_layers",
-    "drop_order", "layer_groups", "opposite", "random_drop_order", "reconstruct", "share_rank_for_budget",
-    "share_stack", "share_state_dict", "shared_basis", "shared_params", "svd_params", "svd_rank_for_budget",
-    "svd_state_dict", "truncated_svd", "EvalConfig", "perplexity", "windows",
+    # compression (flowgeom.continuity.compress, .factorize, .share) and perplexity (flowgeom.continuity.lm_eval)
+    "SEED_SPACE", "block_params", "continuity_scores", "drop_layers", "drop_order", "layer_groups", "opposite",
+    "random_drop_order", "Factors", "rank_for_ratio", "share_input", "share_output", "stored_per_rank",
+    "ShareConfig", "share_model", "EvalConfig", "perplexity", "windows",
     *_LAZY,
 ]
 

@@ -40,7 +40,7 @@ from flowgeom.continuity.layouts import NamingHints, hints_for
 from flowgeom.continuity.naming import MatrixRef, resolve_roles
 from flowgeom.continuity.spectra import (SOLVERS, pairs_and_spectrum_from_gram, pairs_from_gram, small_gram, unit_scale,
                                          unscale_pairs, unscale_values)
-from flowgeom.errors import FlowgeomError, positive_int, require_choices
+from flowgeom.errors import FlowgeomError, finite_number, positive_int, require_choices
 from flowgeom.io import TensorSource, open_source
 from flowgeom.memory import USABLE_FRACTION, budget
 
@@ -84,8 +84,9 @@ class AnalyzeConfig:
         if self.max_layers is not None and self.max_layers < 2:
             raise FlowgeomError(f"--max-layers must be >= 2 (pairs need two layers), got {self.max_layers}")
         require_choices(self, dtype=DTYPES, solver=SOLVERS, baseline=BASELINES)
-        if not self.threshold > 1:
+        if finite_number(self.threshold, "--threshold", fix="a ratio to chance > 1, e.g. 3") <= 1:
             raise FlowgeomError(f"--threshold must be > 1 (a ratio to chance), got {self.threshold}")
+        finite_number(self.tol, "--tol", positive=True, fix="a small relative residual, e.g. 1e-10")
 
 
 def verdict(r_in: float | None, r_out: float | None, threshold: float) -> str:

@@ -28,6 +28,7 @@ import torch
 
 from flowgeom.continuity import compression as C
 from flowgeom.continuity.calibrate import DEFAULT_TOKENS
+from flowgeom.continuity.compress import opposite
 from flowgeom.errors import FlowgeomError, choice_error, positive_int
 
 SPACE_CHOICES = ("auto", "seed", "opposite", "input", "output")
@@ -98,8 +99,7 @@ def resolve_spaces(space: str | None, roles: Sequence[str], evidence: Mapping[st
     if space == "seed":
         return {r: C.SEED_SPACE.get(r, "none") for r in roles}
     if space == "opposite":
-        return {r: {"input": "output", "output": "input"}[C.SEED_SPACE[r]] if r in C.SEED_SPACE else "none"
-                for r in roles}
+        return {r: opposite(C.SEED_SPACE[r]) if r in C.SEED_SPACE else "none" for r in roles}
     if space == "auto":
         return {r: evidence[r]["space"] for r in roles}
     return {r: space for r in roles}

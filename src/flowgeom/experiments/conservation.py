@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flowgeom.errors import FlowgeomError, choice_error, require_choices
+from flowgeom.errors import FlowgeomError, choice_error, finite_number, require_choices
 from flowgeom.experiments.presets import scales
 from flowgeom.experiments.training import Step, Tick, checkpoint_state, loss_hook, restore_checkpoint, train_loop
 from flowgeom.laws.monitor import ConservationMonitor
@@ -103,10 +103,8 @@ class ConservationConfig:
                      "d_hidden", "seq_len", "experts", "n_train", "patch"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise FlowgeomError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise FlowgeomError(f"lr must be a positive finite number, got {self.lr}")
-        if self.weight_decay < 0:
-            raise FlowgeomError(f"weight_decay must be ≥ 0, got {self.weight_decay}")
+        finite_number(self.lr, "lr", positive=True, fix="pass the step size τ > 0")
+        finite_number(self.weight_decay, "weight_decay", minimum=0.0, fix="pass λ >= 0, or 0")
 
     @classmethod
     def for_arch(cls, arch: str, **overrides: Any) -> ConservationConfig:

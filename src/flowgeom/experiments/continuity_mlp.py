@@ -40,7 +40,7 @@ from flowgeom.experiments.continuity_loop import log_progress, make_optimizer, t
 from flowgeom.experiments.presets import preset as resolve
 from flowgeom.experiments.presets import scales
 from flowgeom.nn.resmlp import ACTIVATIONS, ResMLP, ResMLPConfig
-from flowgeom.runs import RunFolder
+from flowgeom.runs import RunFolder, out_folder
 
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
 
@@ -213,7 +213,7 @@ def run_ablation(out: str | Path, *, preset: str = "quick", variants: tuple[str,
     rows = []
     for cfg in configs:
         log_progress(f"continuity ablation: {cfg.variant} ({cfg.steps} steps)")
-        folder = out / _slug(cfg.variant)
+        folder = out_folder(out, out / _slug(cfg.variant), "run folder")  # a planted link there is refused
         train_mlp(cfg, folder, resume=resume, data=data)
         rows.append(summarise_run(RunFolder(folder)))
     return rows

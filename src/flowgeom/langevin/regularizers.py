@@ -33,7 +33,6 @@ the same numbers as :meth:`Regularizer.add_grad_` (same additions).
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -41,7 +40,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from flowgeom.errors import FlowgeomError, choice_error
+from flowgeom.errors import FlowgeomError, choice_error, finite_number
 
 KINDS = ("none", "log", "power", "frobenius")
 GradTransform = Callable[[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]], dict[str, torch.Tensor]]
@@ -62,12 +61,11 @@ class Regularizer:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise choice_error("regulariser", self.kind, KINDS)
-        if self.kind != "none" and not (math.isfinite(self.lam) and self.lam > 0):
-            raise FlowgeomError(f"regulariser lambda must be a finite number > 0, got {self.lam!r}; "
-                                "use kind='none' for no regularisation")
-        if self.kind == "power" and not (math.isfinite(self.eps) and self.eps > 0):
-            raise FlowgeomError(f"power regulariser epsilon must be > 0 (super-quadratic), got {self.eps!r}; "
-                                "use kind='frobenius' for the quadratic case")
+        if self.kind != "none":  # the one check of real hyper-parameters: NaN, inf, strings refused by name
+            finite_number(self.lam, "regulariser lambda", positive=True, fix="use kind='none' for no regularisation")
+        if self.kind == "power":
+            finite_number(self.eps, "power regulariser epsilon", positive=True,
+                          fix="super-quadratic needs epsilon > 0; use kind='frobenius' for the quadratic case")
 
     # -- one matrix ------------------------------------------------------------------------
     def value(self, w: torch.Tensor) -> torch.Tensor:

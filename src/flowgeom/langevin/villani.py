@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flowgeom.errors import FlowgeomError, positive_int
+from flowgeom.errors import FlowgeomError, finite_number, positive_int
 from flowgeom.langevin.losses import Objective
 
 VERDICTS = ("holds", "fails", "inconclusive")
@@ -231,11 +231,10 @@ def probe_memory(dim: int, *, rays: int, points: int, exact: bool, probes: int) 
 def probe(obj: Objective, *, temperature: float = 1.0, rays: int = 3, r_max: float = 1e3, points: int = 12,
           exact_max_dim: int = 200, probes: int = 64, seed: int = 0, r_ext: float = 1e30) -> VillaniReport:
     """Run the Villani probe on ``obj`` (see the module docstring for the rule)."""
-    if not (math.isfinite(temperature) and temperature > 0):
-        raise FlowgeomError(f"temperature s must be > 0 for the Villani quantity, got {temperature!r}")
-    if not (r_max > 10):
+    finite_number(temperature, "temperature s", positive=True, fix="the Villani quantity needs s > 0")
+    if not finite_number(r_max, "r_max", fix="probe out to a finite r_max > 10") > 10:
         raise FlowgeomError(f"r_max must be > 10 to probe behaviour at infinity, got {r_max!r}")
-    if not r_ext > r_max:
+    if not finite_number(r_ext, "r_ext", fix="extrapolate out to a finite r_ext > r_max, e.g. 1e30") > r_max:
         raise FlowgeomError(f"r_ext must exceed r_max, got r_ext={r_ext!r}, r_max={r_max!r}")
     positive_int(rays, "rays")
     if points < 4:

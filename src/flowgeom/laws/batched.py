@@ -61,9 +61,9 @@ class Batch:
 
 
 def upper(m: Tensor) -> Tensor:
-    """Upper triangles (diagonal included) of (n, r, r) matrices: (n, r(r+1)/2)."""
+    """Upper triangles (diagonal included) of (..., r, r) matrices: (..., r(r+1)/2)."""
     i, j = torch.triu_indices(m.shape[-2], m.shape[-1], device=m.device)
-    return m[:, i, j]
+    return m[..., i, j]
 
 
 def _sq(x: Tensor, dim: int) -> Tensor:

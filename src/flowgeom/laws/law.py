@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-import torch
 from torch import Tensor
 
+from flowgeom.laws import batched
 from flowgeom.laws.batched import Batch, sq_norm
 
 Params = Mapping[str, Tensor]
@@ -60,8 +60,7 @@ class CatalogueEntry:
 
 def upper(m: Tensor) -> Tensor:
     """Upper triangles (diagonal included) of (..., n, n) matrices, flattened: (... · n(n+1)/2,)."""
-    i, j = torch.triu_indices(m.shape[-2], m.shape[-1])
-    return m[..., i, j].reshape(-1)
+    return batched.upper(m).reshape(-1)
 
 
 def join(prefix: str, name: str) -> str:
