@@ -64,7 +64,7 @@ def test_a_cli_fix_makes_an_input_error(ten_gib):
 
 def test_real_gates_refuse_by_the_one_rule(ten_gib, monkeypatch):
     """The law count (with an explicit limit) and the law check (with the budget) refuse through require."""
-    from flowgeom.cli.laws import check_memory, require_check_memory
+    from flowgeom.laws.describe import check_memory, require_check_memory
     from flowgeom.laws import count
     from flowgeom.nn import build
 

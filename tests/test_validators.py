@@ -67,15 +67,14 @@ def test_library_configs_word_it_the_same_way():
 
 
 def test_the_old_wordings_are_gone():
-    """No hand-written positive-int message is left beside the validator (experiments/ excepted: see below)."""
+    """No hand-written positive-int message is left beside the validator."""
     old = re.compile(r"must be (a positive integer|>= 1|≥ 1), got|must be >= 1 and")
     found = []
     for path in SRC.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and old.search(node.value):
                 found.append(f"{path.relative_to(SRC)}:{node.lineno}")
-    # experiments/ is being reworked by the presets work; its own checks move to positive_int there
-    assert [f for f in found if not f.startswith("experiments/")] == []
+    assert found == []
 
 
 # ---------------------------------------------------------------- booleans and KEY=VALUE

@@ -14,8 +14,8 @@ counts reclaimable page cache, CUDA's free memory excludes what is held),
 so the remaining 20 % only has to absorb what the estimates leave out
 (interpreter growth, allocator slack, the caller's own tensors). The
 estimates themselves are deliberately pessimistic (see
-``flowgeom.cli.laws.check_memory``), so half of the available memory, the
-other rule used before, refused work that fits.
+``flowgeom.laws.describe.check_memory``), so half of the available memory
+would refuse work that fits.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ logged step, flushed as written), ``summary.json``, ``figures/`` and
 (temporary file in the same folder, then ``os.replace``), so a killed
 process leaves either the old or the new file, never half of one. Every
 file flowgeom writes, in a run folder or anywhere else, goes through
-:func:`atomic_write` (or :func:`open_append` for line logs): a run folder may
+:func:`flowgeom.files.atomic_write` (or ``open_append`` for line logs,
+both re-exported here): a run folder may
 come from someone else, so a symlink planted in it is refused, never
 followed, and an output onto or inside an input is refused.
 ``summary.json`` is written last: its presence is what marks a run as
@@ -54,22 +55,21 @@ flowgeom versions) is refused with a message, never opened.
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import hashlib
 import json
 import math
 import os
-import secrets
-import stat
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, BinaryIO, TextIO
+from typing import Any
 
 import torch
 
 from flowgeom.errors import FlowgeomError
-from flowgeom.files import file_kind, read_json_object, read_regular  # read_json_object: re-exported
+from flowgeom.files import (  # the write helpers live with the readers; re-exported for the run writers
+    atomic_write, atomic_write_bytes, atomic_write_figure, check_out_file, confined, open_append, out_folder,
+    read_json_object, read_regular,
+)
 
 CHECKPOINT_FORMAT = "flowgeom-checkpoint"
 CHECKPOINT_VERSION = "1"
@@ -107,269 +107,10 @@ def to_json(obj: Any, **kwargs: Any) -> str:
     return json.dumps(plain(obj), allow_nan=False, **kwargs)
 
 
-def _is_checkpoint(path: Path) -> bool:
-    """Whether ``path`` starts like a GGUF or safetensors file (magic ``GGUF``; u64 header length, then ``{``)."""
-    try:
-        with open(path, "rb") as fh:
-            head = fh.read(9)
-    except OSError:
-        return False
-    return head[:4] == b"GGUF" or (len(head) == 9 and head[8:9] == b"{"
-                                   and 2 <= int.from_bytes(head[:8], "little") <= path.stat().st_size - 8)
-
-
-# ---------------------------------------------------------------- output paths
-#
-# Every file flowgeom writes goes through :func:`atomic_write` (whole files) or :func:`open_append` (metrics
-# lines, CSV rows). Both take the folder being written (``root``: a run folder, ``--out``, ``--export``; by
-# default the file's own folder) and
-#
-# * refuse an output that is, or lies inside, one of ``inputs`` (symlinks resolved);
-# * walk from ``root`` down with one descriptor per folder, opening each with ``O_NOFOLLOW`` (and creating
-#   missing ones), so a symlink planted below ``root`` is refused, never followed, even if it appears after a
-#   check; ``root`` itself is the user's choice and may be a link;
-# * refuse a symlink at the file itself, and create the temporary file ``O_EXCL | O_NOFOLLOW`` next to it,
-#   then ``rename`` it over the file (rename replaces a name, it never writes through one).
-
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-_DIRECTORY = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _CLOEXEC
-
-
-def _folder_error(flag: str, path: Path) -> FlowgeomError:
-    return FlowgeomError(f"{flag} {path} is a folder; {flag} takes a file name, e.g. {path / 'report.json'}")
-
-
-def _link_error(what: str, path: Path, link: Path, root: Path) -> FlowgeomError:
-    try:
-        target = os.readlink(link)
-    except OSError:  # removed meanwhile
-        target = "?"
-    return FlowgeomError(f"{what} {path} goes through the symlink {link} (-> {target}); flowgeom never writes "
-                         f"through a link out of {root}: remove the link")
-
-
-def _write_error(what: str, path: Path, exc: OSError) -> FlowgeomError:
-    fix = "free disk space" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "choose a writable location"
-    return FlowgeomError(f"cannot write {what} {path}: {exc.strerror or exc}; {fix}")
-
-
-def _refuse_inputs(path: Path, flag: str, inputs: Iterable[str | os.PathLike]) -> None:
-    """Refuse an output ``path`` that is one of ``inputs`` or lies inside an input folder (symlinks resolved).
-
-    The folder of a sharded index (``*.index.json``) counts as an input folder: its shards are read too.
-    """
-    target = Path(os.path.realpath(path))
-    for given in inputs:
-        if str(given).startswith("builtin:") or not os.path.lexists(given):
-            continue
-        source = Path(os.path.realpath(given))
-        folders = [source] if source.is_dir() else [source.parent] if source.name.endswith(".index.json") else []
-        if target == source:
-            raise FlowgeomError(f"{flag} {path} is the input {given}: writing it would replace what is being read; "
-                                f"choose another {flag}")
-        for folder in folders:
-            if target.is_relative_to(folder):
-                raise FlowgeomError(f"{flag} {path} lies inside the input folder {folder}: writing there could "
-                                    f"replace what is being read; choose another {flag} outside it")
-
-
-def check_out_file(path: str | os.PathLike, flag: str = "--out", *,
-                   inputs: Iterable[str | os.PathLike] = ()) -> None:
-    """Refuse, before any work, an output file path that cannot be written: a folder, or under a file.
-
-    ``inputs`` (the files and folders the command reads) are compared with symlinks resolved: an output that
-    is an input, or lies inside an input folder (or the folder of a sharded index), is refused, so a report
-    can never replace the weights it describes. A user flag (``--out``, ``--figure``) onto an existing file
-    that starts like a safetensors or GGUF checkpoint is refused whatever the inputs. :func:`atomic_write`
-    checks the inputs again when it writes.
-    """
-    path = Path(path)
-    if path.is_dir():
-        raise _folder_error(flag, path)
-    _refuse_inputs(path, flag, inputs)
-    if path.is_symlink():  # refused here, before the work, as atomic_write would refuse it after
-        raise _link_error(flag, path, path, path.parent)
-    if flag.startswith("--") and path.is_file() and not path.is_symlink() and _is_checkpoint(path):
-        raise FlowgeomError(f"{flag} {path} is an existing model checkpoint; {flag} writes a report and would "
-                            f"replace the weights: choose another {flag}")
-    for parent in path.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise FlowgeomError(f"{flag} {path}: {parent} is a file, not a folder; choose another {flag}")
-            if not os.access(parent, os.W_OK | os.X_OK):
-                raise FlowgeomError(f"{flag} {path}: the folder {parent} is not writable; choose another {flag}")
-            return
-
-
-def _below(root: Path, path: Path, what: str) -> tuple[str, ...]:
-    """The parts of ``path`` below ``root``; refused when ``path`` is not strictly inside ``root``."""
-    try:
-        parts = path.relative_to(root).parts
-    except ValueError:
-        parts = ()
-    if not parts or ".." in parts:
-        raise FlowgeomError(f"{what} {path} is not inside {root}; flowgeom writes only inside it")
-    return parts
-
-
-def confined(root: str | os.PathLike, path: str | os.PathLike, what: str = "the output") -> Path:
-    """``path`` under ``root``, refused when any component below ``root`` (``path`` included) is a symlink.
-
-    A check only, for moves and deletions (a sweep's ``rejected/``); writes walk the folders themselves
-    (:func:`atomic_write`). ``root`` itself may be a link the user chose.
-    """
-    root, path = Path(root), Path(path)
-    current = root
-    for part in _below(root, path, what):
-        current = current / part
-        if current.is_symlink():
-            raise _link_error(what, path, current, root)
-    return path
-
-
-def _open_folder(root: Path, parts: tuple[str, ...], *, path: Path, what: str) -> int:
-    """A descriptor of ``root/parts...``, creating missing folders; a symlink below ``root`` is refused.
-
-    Each step opens the next folder relative to the previous descriptor with ``O_NOFOLLOW``, so no link
-    swapped in between a check and the write can lead out of ``root``.
-    """
-    try:
-        root.mkdir(parents=True, exist_ok=True)  # the user's own path: links there are theirs
-        fd = os.open(root, _DIRECTORY)
-    except FileExistsError:
-        raise FlowgeomError(f"{what} {path}: {root} is a file, not a folder; choose another location") from None
-    except OSError as exc:
-        raise _write_error(what, path, exc) from None
-    here = root
-    try:
-        for part in parts:
-            here = here / part
-            try:
-                os.mkdir(part, 0o777, dir_fd=fd)
-            except FileExistsError:
-                pass
-            try:
-                child = os.open(part, _DIRECTORY | _NOFOLLOW, dir_fd=fd)
-            except OSError as exc:
-                if os.path.islink(here):
-                    raise _link_error(what, path, here, root) from None
-                if exc.errno == errno.ENOTDIR:
-                    raise FlowgeomError(f"{what} {path}: {here} is a file, not a folder; remove it or choose "
-                                        "another location") from None
-                raise _write_error(what, path, exc) from None
-            os.close(fd)
-            fd = child
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _output(path: str | os.PathLike, *, root: str | os.PathLike | None, inputs: Iterable[str | os.PathLike],
-            what: str) -> tuple[Path, int, str, os.stat_result | None]:
-    """``(path, folder descriptor, file name, lstat of the file or None)`` for a write; see "output paths"."""
-    path = Path(path)
-    root = path.parent if root is None else Path(root)
-    parts = _below(root, path, what)
-    _refuse_inputs(path, what, inputs)
-    fd = _open_folder(root, parts[:-1], path=path, what=what)
-    try:
-        info = os.stat(parts[-1], dir_fd=fd, follow_symlinks=False)
-    except FileNotFoundError:
-        return path, fd, parts[-1], None
-    except OSError as exc:
-        os.close(fd)
-        raise _write_error(what, path, exc) from None
-    if stat.S_ISLNK(info.st_mode) or stat.S_ISDIR(info.st_mode):
-        os.close(fd)
-        raise _link_error(what, path, path, root) if stat.S_ISLNK(info.st_mode) else _folder_error(what, path)
-    return path, fd, parts[-1], info
-
-
-def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], object], *,
-                 root: str | os.PathLike | None = None, inputs: Iterable[str | os.PathLike] = (),
-                 what: str = "the output") -> Path:
-    """Fill ``path`` through ``write(fh)`` (a binary file) so readers see the old or the new file only.
-
-    The one way flowgeom writes a whole file: never through a symlink below ``root`` (default: the file's
-    folder), never onto or inside ``inputs`` (see "output paths" above). Returns ``path``.
-    """
-    path, fd, name, _ = _output(path, root=root, inputs=inputs, what=what)
-    tmp = f".{name}.{secrets.token_hex(6)}.tmp"
-    try:
-        try:
-            out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o644, dir_fd=fd)
-        except OSError as exc:
-            raise _write_error(what, path, exc) from None
-        try:
-            with os.fdopen(out, "wb") as fh:
-                write(fh)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)
-        except BaseException as exc:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp, dir_fd=fd)
-            if isinstance(exc, OSError):
-                raise _write_error(what, path, exc) from exc
-            raise
-    finally:
-        os.close(fd)
-    return path
-
-
-def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, root: str | os.PathLike | None = None,
-                       inputs: Iterable[str | os.PathLike] = (), what: str = "the output") -> Path:
-    """:func:`atomic_write` of ``data``."""
-    return atomic_write(path, lambda fh: fh.write(data), root=root, inputs=inputs, what=what)
-
-
 def atomic_write_json(path: str | os.PathLike, obj: Any, *, root: str | os.PathLike | None = None,
                       inputs: Iterable[str | os.PathLike] = (), what: str = "the output") -> Path:
     """:func:`atomic_write` of ``obj`` as indented strict JSON."""
     return atomic_write_bytes(path, (to_json(obj, indent=2) + "\n").encode(), root=root, inputs=inputs, what=what)
-
-
-def atomic_write_figure(path: str | os.PathLike, fig: Any, *, root: str | os.PathLike | None = None,
-                        inputs: Iterable[str | os.PathLike] = (), **savefig: Any) -> Path:
-    """:func:`atomic_write` of a matplotlib figure, in the format its suffix names unless ``format=`` is given."""
-    savefig.setdefault("format", Path(path).suffix.lstrip(".").lower() or "png")
-    return atomic_write(path, lambda fh: fig.savefig(fh, **savefig), root=root, inputs=inputs, what="the figure")
-
-
-def out_folder(root: str | os.PathLike, path: str | os.PathLike, what: str = "the output folder") -> Path:
-    """Create folder ``path`` below ``root`` (parents too) without following a symlink below ``root``.
-
-    For a folder handed to code that writes several files into it (a run's ``figures/``, a claim's figures).
-    """
-    root, path = Path(root), Path(path)
-    os.close(_open_folder(root, _below(root, path, what), path=path, what=what))
-    return path
-
-
-def open_append(path: str | os.PathLike, *, root: str | os.PathLike | None = None,
-                newline: str | None = None) -> TextIO:
-    """``path`` opened for appending UTF-8 text (created if missing), never through a symlink below ``root``.
-
-    A FIFO, device or socket in its place is refused (appending to one blocks or never lands in a file).
-    """
-    what = "the output"
-    path, fd, name, info = _output(path, root=root, inputs=(), what=what)
-    try:
-        if info is not None and not stat.S_ISREG(info.st_mode):
-            raise FlowgeomError(f"{path} is {file_kind(info.st_mode)}, not a regular file; remove it and run again")
-        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0) | _CLOEXEC
-        try:
-            out = os.open(name, flags, 0o644, dir_fd=fd)
-        except OSError as exc:
-            raise _write_error(what, path, exc) from None
-    finally:
-        os.close(fd)
-    if not stat.S_ISREG(os.fstat(out).st_mode):  # swapped in after the check
-        os.close(out)
-        raise FlowgeomError(f"{path} changed into a non-regular file while being opened; remove it and run again")
-    return os.fdopen(out, "a", encoding="utf-8", newline=newline)
 
 
 # ---------------------------------------------------------------- checkpoints (no pickle)

@@ -171,3 +171,35 @@ def test_finite_number_accepts_tensors_and_numpy_scalars():
     for bad in (torch.ones(2), np.complex128(1 + 1j), True, b"1"):
         with pytest.raises(FlowgeomError, match="^x must be a finite real number"):
             finite_number(bad, "x")
+
+
+def _entry_points():
+    """``(name, call(value))`` for every other API entry point that takes a real hyper-parameter."""
+    from flowgeom.continuity import AnalyzeConfig
+    from flowgeom.experiments.conservation import ConservationConfig
+    from flowgeom.experiments.langevin_rate import RateConfig
+    from flowgeom.integrations.session import MonitorSession
+    from flowgeom.langevin import Regularizer, objective, probe
+
+    return {
+        "regulariser lambda": lambda v: Regularizer("log", lam=v),
+        "power regulariser epsilon": lambda v: Regularizer("power", lam=1.0, eps=v),
+        "r_ext": lambda v: probe(objective("norm2", seed=0), rays=1, points=4, r_ext=v),
+        "temperature s": lambda v: probe(objective("norm2", seed=0), rays=1, points=4, temperature=v),
+        "start_radius": lambda v: RateConfig(start_radius=v),
+        "weight_decay": lambda v: ConservationConfig(weight_decay=v),
+        "lr": lambda v: ConservationConfig(lr=v),
+        "--threshold": lambda v: AnalyzeConfig(threshold=v),
+        "--tol": lambda v: AnalyzeConfig(tol=v),
+        "threshold": lambda v: MonitorSession(nn.Linear(2, 2), optimizer_kind="sgd", threshold=v),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_entry_points()))
+@pytest.mark.parametrize("value", [math.nan, math.inf, "0.5"])
+def test_every_real_hyper_parameter_refuses_nan_inf_and_text(name, value):
+    with pytest.raises(FlowgeomError) as info:
+        _entry_points()[name](value)
+    text = _one_line(info)
+    assert text.startswith(f"{name} is {value}; it must be a finite real number" if isinstance(value, float)
+                           else f"{name} must be a finite real number"), text

@@ -594,3 +594,16 @@ def test_markup_in_paths_and_roles_prints_literally(tmp_path, cli, monkeypatch):
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # the progress bar path too (task names 'role x[/]')
     rc, out, err = cli(argv)
     assert rc == 0 and "x[/]" in out
+
+
+def test_a_moe_model_with_dense_layers_names_both():
+    """Qwen2-MoE's mlp_only_layers: experts in layers 0, 1 and a plain gated MLP in layers 2, 3, all claimed."""
+    shapes = {f"model.layers.{layer}.self_attn.{r}_proj.weight": (4, 4) for layer in range(4) for r in "qkvo"}
+    shapes |= {f"model.layers.{layer}.mlp.experts.{e}.{p}_proj.weight": (4, 4)
+               for layer in (0, 1) for e in (0, 1) for p in ("gate", "up", "down")}
+    shapes |= {f"model.layers.{layer}.mlp.gate.weight": (2, 4) for layer in (0, 1)}
+    shapes |= {f"model.layers.{layer}.mlp.{p}_proj.weight": (4, 4) for layer in (2, 3) for p in ("gate", "up", "down")}
+    layout = resolve_roles(shapes)
+    assert layout.unmatched == []
+    assert [ref.layer for ref in layout.roles["expert1.down"]] == [0, 1]
+    assert [ref.layer for ref in layout.roles["gate"]] == [2, 3]

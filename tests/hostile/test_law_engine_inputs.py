@@ -205,7 +205,7 @@ def test_memory_blowups_refused_with_the_estimate(cli, argv):
 
 
 def test_check_memory_estimate_grows_with_fields_and_width():
-    from flowgeom.cli.laws import check_memory, require_check_memory
+    from flowgeom.laws.describe import check_memory, require_check_memory
 
     small, d_small = check_memory("swiglu", {"d_hidden": 8}, n_fields=64)
     wide, d_wide = check_memory("swiglu", {"d_hidden": 80}, n_fields=64)

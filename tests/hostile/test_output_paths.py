@@ -182,3 +182,16 @@ def test_cli_resume_into_a_run_with_a_planted_metrics_link(tmp_path, outside, cl
                                        f"r/metrics.jsonl (-> {outside / 'precious.jsonl'}); {LINK} r: remove the link")
     assert snapshot(outside) == before
     assert not (tmp_path / "r" / "summary.json").exists()  # never presented as finished
+
+
+def test_cli_a_linked_subfolder_of_out_is_refused_before_training(tmp_path, outside, cli, monkeypatch):
+    """``conserve run --out OUT`` writes OUT/REGIME/ARCH/...: a planted OUT/gd link is refused, nothing trained."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "gd").symlink_to(outside)
+    before = snapshot(outside)
+    rc, _, err = cli(["conserve", "run", "--task", "lm", "--arch", "mha-none-swiglu", "--regime", "gd", "--lr", "0.1",
+                      "--seeds", "1", "--steps", "1", "--out", "out"])
+    assert rc == 2 and err.strip() == (
+        f"flowgeom: error: run folder out/gd goes through the symlink out/gd (-> {outside}); {LINK} out: remove the link")
+    assert snapshot(outside) == before and sorted(p.name for p in outside.iterdir()) == ["precious.json"]

@@ -95,7 +95,8 @@ def test_register_verbs_on_a_fresh_parser():
 
 
 def test_demo_table_rows_agree_and_mark_the_sigmoid_finding(capsys):
-    from flowgeom.cli.laws_engine import count_rows, print_count_table
+    from flowgeom.cli.laws_engine import print_count_table
+    from flowgeom.laws.describe import count_rows
 
     rows = count_rows()
     assert rows and all(r["match"] for r in rows)

@@ -28,7 +28,8 @@ README_TOUR = "about 6 minutes on 2 idle cores"
 
 def run_demo(args: argparse.Namespace) -> int:
     from flowgeom.cli.laws import print_catalogue_table
-    from flowgeom.cli.laws_engine import count_rows, print_count_table
+    from flowgeom.cli.laws_engine import print_count_table
+    from flowgeom.laws.describe import count_rows
     from flowgeom.cli.reproduce import exit_code, print_summary
     from flowgeom.reproduce.pipeline import run
 

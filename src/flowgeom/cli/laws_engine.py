@@ -204,33 +204,14 @@ def _discover(args: argparse.Namespace) -> int:
     return 0
 
 
-def count_rows(*, seed: int = 0, on_row=None) -> list[dict]:
-    """Catalogue count vs numeric count for every catalogue variant (for ``make demo``).
-
-    ``on_row(i, total, row)`` is called after each row (the demo's progress line).
-    """
-    from flowgeom.laws.catalogue import VARIANTS
-    from flowgeom.laws.count import count
-    from flowgeom.nn import build
-
-    rows = []
-    for v in VARIANTS:
-        res = count(build(v.arch, seed=seed, **dict(v.options)), seed=seed)
-        finding = v.arch == "moe" and dict(v.options).get("gate") == "sigmoid"
-        rows.append({"label": v.label, "arch": v.arch, "options": dict(v.options), "formula": v.count_formula,
-                     "parameters": res.parameters, "catalogue": res.expected, "numeric": res.laws,
-                     "ranks_by_depth": res.ranks_by_depth, "gap_ratio": res.gap["ratio"], "seconds": res.seconds,
-                     "match": res.expected == res.laws, "finding": finding})
-        if on_row is not None:
-            on_row(len(rows), len(VARIANTS), rows[-1])
-    return rows
-
-
 def print_count_table(rows: list[dict] | None = None) -> None:
     """Rich table of :func:`count_rows`; the normalised-sigmoid rows are marked as the seed's refuted claim."""
     from rich.table import Table
 
-    rows = rows if rows is not None else count_rows()
+    if rows is None:
+        from flowgeom.laws.describe import count_rows
+
+        rows = count_rows()
     table = Table(title="catalogue count vs numeric count (float64, D − dim Lie(W) at a random point)")
     for col in ("architecture", "formula", "D", "catalogue", "numeric", "ranks by depth", "gap", "s", "verdict"):
         table.add_column(col, justify="left" if col in ("architecture", "formula", "verdict") else "right")

@@ -90,6 +90,9 @@ class RolePattern:
     experts: bool = False
 
 
+_DENSE_MLP = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+
+
 def _fused_kind(layout: FusedLayout) -> str:
     """The row split of :mod:`~flowgeom.continuity.layouts` that reads ``layout`` from names and shapes alone."""
     if layout.arrangement == "per_head":
@@ -139,6 +142,8 @@ def family_patterns(fam: Family) -> list[RolePattern]:
         pats += role_pats(role, fam.attention_path, path)
     for role, path in mlp.items():
         pats += role_pats(role, fam.mlp_path, path)
+    if fam.mlp == "moe":  # dense layers of a MoE model (Qwen2-MoE's mlp_only_layers): after the experts' names
+        pats += [RolePattern(role, rx(fam.mlp_path, path)) for role, path in _DENSE_MLP.items()]
     return pats
 
 
@@ -323,6 +328,10 @@ def _claimed(result: tuple[Found, dict[str, str]]) -> set[str]:
     return {r.tensor for by_layer in found.values() for refs in by_layer.values() for r in refs} | set(refused)
 
 
+def _slots(result: tuple[Found, dict[str, str]]) -> int:
+    return sum(len(by_layer) for by_layer in result[0].values())
+
+
 def _listing(names: Sequence[str], limit: int = 25) -> str:
     shown = ", ".join(names[:limit])
     return shown + (f", … ({len(names) - limit} more)" if len(names) > limit else "")
@@ -461,7 +470,9 @@ def resolve_roles(shapes: Mapping[str, tuple[int, ...]], *, custom: Mapping[str,
         found, refused = _match([RolePattern(r, rx) for r, rx in custom.items()], plain, hints, first_only=False)
     else:
         matches = {name: _match(pats, plain, hints) for name, pats in SCHEMES.items()}
-        scheme = max(matches, key=lambda s: len(_claimed(matches[s])))
+        # most tensors claimed; on a tie, the most (role, layer) slots: a scheme that puts two tensors in
+        # one slot (experts read as plain gate/up/down) is the less specific reading
+        scheme = max(matches, key=lambda s: (len(_claimed(matches[s])), _slots(matches[s])))
         found, refused = matches[scheme]
         others = {s: _claimed(m) for s, m in matches.items() if s != scheme}
     if not found and lora_names and not plain:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flowgeom.errors import FlowgeomError, choice_error, finite_number, require_choices
+from flowgeom.errors import FlowgeomError, choice_error, finite_number, positive_int, require_choices
 from flowgeom.experiments.presets import scales
 from flowgeom.experiments.training import Step, Tick, checkpoint_state, loss_hook, restore_checkpoint, train_loop
 from flowgeom.laws.monitor import ConservationMonitor
@@ -101,8 +100,7 @@ class ConservationConfig:
         require_choices(self, task=TASKS, optimizer=OPTIMIZERS, schedule=SCHEDULES, dtype=DTYPES, mlp=("swiglu", "moe"))
         for name in ("steps", "batch", "log_every", "checkpoint_every", "d_model", "n_layers", "heads", "d_k",
                      "d_hidden", "seq_len", "experts", "n_train", "patch"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise FlowgeomError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+            positive_int(getattr(self, name), name)
         finite_number(self.lr, "lr", positive=True, fix="pass the step size τ > 0")
         finite_number(self.weight_decay, "weight_decay", minimum=0.0, fix="pass λ >= 0, or 0")
 

@@ -98,7 +98,8 @@ def run_drift_grid(preset: ConservationPreset, out: str | Path, *, archs: Sequen
             for arch in archs:
                 data = images if ARCHS[arch]["task"] == "vit" else text
                 cfg = preset.base(regime=regime, **changes, data=data or "default")
-                for row in run_grid(cfg, out / regime, archs=[arch], lrs=lrs, seeds=seeds, resume=resume,
+                for row in run_grid(cfg, out_folder(out, out / regime, "run folder"), archs=[arch], lrs=lrs,
+                                    seeds=seeds, resume=resume,
                                     progress=None if progress is None else lambda m, r=regime: progress(f"{r} {m}")):
                     rows.append({"regime": regime, **row})
     figures, folder = {}, out_folder(out, out / "figures", "figures folder")

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from flowgeom.continuity.dynamics import ContinuityTracker
-from flowgeom.errors import FlowgeomError, choice_error
+from flowgeom.errors import FlowgeomError, choice_error, positive_int
 from flowgeom.experiments.training import Step, checkpoint_state, loss_hook, restore_checkpoint, train_loop
 from flowgeom.runs import RunFolder
 
@@ -41,8 +41,7 @@ def validate_run(cfg: Any, *, positive: Sequence[str], depth_field: str) -> None
     if cfg.optimizer not in OPTIMIZERS:
         raise choice_error("optimizer", cfg.optimizer, OPTIMIZERS)
     for name in (*positive, "steps", "batch", "log_every", "ckpt_every", "k"):
-        if getattr(cfg, name) < 1:
-            raise FlowgeomError(f"{name} must be >= 1, got {getattr(cfg, name)}")
+        positive_int(getattr(cfg, name), name)
     if getattr(cfg, depth_field) < 2:
         raise FlowgeomError(
             f"{depth_field} must be >= 2 (continuity compares adjacent layers), got {getattr(cfg, depth_field)}")

@@ -253,6 +253,7 @@ def quick_demo(out_dir: str | Path, **overrides: Any) -> dict[str, Any]:
     "figure", "seed_claims"}``.
     """
     out = Path(out_dir)
-    rows = run_ablation(out / "mlp", preset="quick", variants=CORE, resume=True, **overrides)
-    figure = ablation_figure(out / "mlp", CORE, out / "continuity_ablation.png")
+    mlp = out_folder(out, out / "mlp", "run folder")  # a planted link there is refused, not followed
+    rows = run_ablation(mlp, preset="quick", variants=CORE, resume=True, **overrides)
+    figure = ablation_figure(mlp, CORE, out / "continuity_ablation.png")
     return {"rows": rows, "table": format_ablation(rows), "figure": str(figure), "seed_claims": SEED_CLAIMS}

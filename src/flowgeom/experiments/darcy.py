@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from flowgeom.data.darcy import DarcySet, generate, load_shipped
-from flowgeom.errors import FlowgeomError, choice_error
+from flowgeom.errors import FlowgeomError, choice_error, positive_int
 from flowgeom.experiments.darcy_model import DarcyViT, init_, uniform_
 from flowgeom.experiments.presets import scales
 from flowgeom.experiments.training import Diverged, Step, checkpoint_state, restore_checkpoint, train_loop
@@ -87,8 +87,7 @@ class DarcyConfig:
         positive = ("n_train", "n_test", "resolution", "patch", "d_model", "d_k", "d_mlp", "batch_size",
                     "log_every", "checkpoint_every")
         for name in positive:
-            if getattr(self, name) < 1:
-                raise FlowgeomError(f"{name} must be >= 1, got {getattr(self, name)}")
+            positive_int(getattr(self, name), name)
         if self.pretrain_steps < 0 or self.steps < 1:
             raise FlowgeomError("need pretrain_steps >= 0 and steps >= 1")
         if not (self.pretrain_lr > 0):

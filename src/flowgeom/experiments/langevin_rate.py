@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch.func import vmap
 
-from flowgeom.errors import FlowgeomError, choice_error, finite_number
+from flowgeom.errors import FlowgeomError, choice_error, finite_number, positive_int
 from flowgeom.experiments.presets import scales
 from flowgeom.experiments.training import Diverged, Step, Tick, train_loop
 from flowgeom.langevin import Langevin, Regularizer, objective
@@ -65,8 +65,8 @@ class RateConfig:
                 Regularizer(reg, lam=self.lam, eps=self.eps)
         check_hyper(self.lr, self.temperature)
         finite_number(self.start_radius, "start_radius", positive=True, fix="start the chains at a finite ‖θ_0‖")
-        if min(self.chains, self.steps, self.record_every, self.restarts, self.restart_steps) < 1 or not self.start_radius > 0:
-            raise FlowgeomError("chains, steps, record_every, restarts and start_radius must be positive")
+        for name in ("chains", "steps", "record_every", "restarts", "restart_steps"):
+            positive_int(getattr(self, name), name)
 
 
 # One scale: every arm of the rate experiment takes seconds of CPU (~20 s a loss) and the seed states the

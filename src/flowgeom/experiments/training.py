@@ -51,7 +51,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from flowgeom.errors import FlowgeomError
+from flowgeom.errors import FlowgeomError, positive_int
 
 
 class Diverged(FlowgeomError):
@@ -125,8 +125,7 @@ def train_loop(step: Step, *, steps: int, start: int = 0, log: Callable[[dict[st
     ``{"step": k}``); ``diverged_extra`` adds keys to the divergence line only.
     """
     for name, value in (("log_every", log_every), ("checkpoint_every", checkpoint_every)):
-        if not isinstance(value, int) or value < 1:
-            raise FlowgeomError(f"{name} must be a positive integer, got {value!r}")
+        positive_int(value, name)
     last_tick = steps if final_tick else steps - 1
     if not 0 <= start <= last_tick + 1:
         raise FlowgeomError(f"start must be in 0..{last_tick + 1} for steps={steps}, got {start}; "

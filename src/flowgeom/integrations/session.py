@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from flowgeom.errors import FlowgeomError, shown
+from flowgeom.errors import FlowgeomError, finite_number, shown
 from flowgeom.files import read_regular
 from flowgeom.laws.locate import FlowgeomWarning
 from flowgeom.laws.monitor import ConservationMonitor
@@ -67,7 +67,7 @@ class MonitorSession:
                  optimizer_kind: str | None = None, figure: bool = True, **monitor_kwargs: Any):
         if predict not in PREDICT_CHOICES:
             raise FlowgeomError(f"unknown predict {predict!r}; choose one of: {', '.join(PREDICT_CHOICES)}")
-        if not 0 < threshold < 1:
+        if not 0 < finite_number(threshold, "threshold", fix="a ratio ε_law/ε_control in (0, 1), e.g. 0.1") < 1:
             raise FlowgeomError(f"threshold must lie in (0, 1), got {threshold}")
         if optimizer_kind is not None and optimizer_kind not in KINDS:
             raise FlowgeomError(f"unknown optimizer_kind {optimizer_kind!r}; choose one of: {', '.join(KINDS)}")

@@ -68,6 +68,7 @@ from flowgeom.errors import FlowgeomError
 from flowgeom.hf.families import FAMILIES, attention_heads, rotary_dims
 from flowgeom.laws.precision import keep_dtype
 from flowgeom.limits import file_int
+from flowgeom.options import boolean, key_values
 
 PARTS = ("attention", "mlp", "moe", "block")
 SEQ_LEN = 4  # tokens per sampled input
@@ -114,11 +115,7 @@ def _typed(key: str, text: str, current: Any) -> Any:
 
     low = text.strip().lower()
     if isinstance(current, bool):
-        if low in ("true", "1", "yes"):
-            return True
-        if low in ("false", "0", "no"):
-            return False
-        raise bad("true or false")
+        return boolean(text, f"--config {key}")  # the one vocabulary: true/false, yes/no, on/off, 1/0
     if isinstance(current, int):
         try:
             return int(text)
@@ -156,11 +153,7 @@ def config_overrides(model_type: str, items: list[str] | None) -> dict[str, Any]
     base = tiny_config(model_type, **SIZES[model_type])
     known = base.to_dict()
     out = {}
-    for item in items:
-        key, sep, text = item.partition("=")
-        key = key.strip()
-        if not sep or not key:
-            raise FlowgeomError(f"--config {item!r}: expected KEY=VALUE, e.g. --config num_key_value_heads=1")
+    for key, text in key_values(items, flag="--config", example="--config num_key_value_heads=1").items():
         if key in _REFUSED_IMPL:
             raise FlowgeomError(f"--config {key}={text}: hf: targets count with eager attention and experts only "
                                 "(sdpa/flash/grouped-mm kernels have no forward-mode AD in float64); drop it")

@@ -162,7 +162,7 @@ def require_buildable(arch: str, size_options: dict[str, Any], *, max_memory: in
     would not fit in ``max_memory`` (default: 80 % of the free memory), so an absurd size
     is refused with the numbers instead of being killed by the kernel.
     """
-    from flowgeom.memory import available_memory
+    from flowgeom.memory import require
     from flowgeom.nn.zoo import config
 
     cfg = config(arch, **size_options)
@@ -173,11 +173,8 @@ def require_buildable(arch: str, size_options: dict[str, Any], *, max_memory: in
     else:
         with torch.device("meta"):
             d = sum(p.numel() for p in cfg.build().parameters())
-    need = 4 * 8 * d
-    limit = max_memory if max_memory is not None else int(0.8 * available_memory(torch.device("cpu")))
-    if need > limit:
-        raise FlowgeomError(f"{arch} at these sizes has D = {d:,} parameters, about {need / 2**30:.1f} GiB just to hold, more "
-                            f"than the {limit / 2**30:.1f} GiB available; pass smaller size options")
+    require(4 * 8 * d, f"{arch} at these sizes (D = {d:,} parameters, held with a float64 copy)",
+            "pass smaller size options", limit=max_memory)
     return d
 
 
