@@ -66,7 +66,7 @@ from typing import Any
 import torch
 
 from flowgeom.errors import FlowgeomError
-from flowgeom.files import (  # the write helpers live with the readers; re-exported for the run writers
+from flowgeom.files import (  # noqa: F401 - the write helpers live with the readers; re-exported here
     atomic_write, atomic_write_bytes, atomic_write_figure, check_out_file, confined, open_append, out_folder,
     read_json_object, read_regular,
 )

@@ -127,24 +127,6 @@ def calibration_ids(source: Path, calib: str, tokens: int, seq_len: int, tokeniz
     return sequences(ids, tokens, seq_len)
 
 
-def check_against_config(cfg, state: Mapping[str, torch.Tensor]) -> None:
-    """Every tensor the config implies, in every layer, with its shape: a config.json that disagrees with the
-    weights is refused before any work (it would write a checkpoint its own evaluate refuses)."""
-    from flowgeom.nn.llama import LlamaForCausalLM
-
-    with torch.device("meta"):
-        want = {k: tuple(v.shape) for k, v in LlamaForCausalLM(cfg).state_dict().items()}
-    if cfg.tie_word_embeddings:
-        want.pop("lm_head.weight", None)
-    missing = sorted(set(want) - set(state))
-    unexpected = sorted(set(state) - set(want) - {"lm_head.weight"})
-    wrong = [k for k in sorted(set(want) & set(state)) if tuple(state[k].shape) != want[k]]
-    if missing or unexpected or wrong:
-        what = (f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}" if unexpected else
-                f"{wrong[0]} has shape {list(state[wrong[0]].shape)}, the config implies {list(want[wrong[0]])}")
-        raise FlowgeomError(f"the weights do not match config.json ({what}); fix config.json or the checkpoint")
-
-
 def check_weights(state: Mapping[str, torch.Tensor], roles: Sequence[str], n_layers: int) -> None:
     for l in range(n_layers):
         for role in roles:
@@ -278,13 +260,13 @@ def share_model(source: str, out: Path, config: ShareConfig, *, force: bool = Fa
     """Compress ``source`` into the folder ``out`` (module docstring); returns the factors and the report."""
     from flowgeom.continuity.checkpoint_out import check_out_folder, save_llama_folder, write_folder
     from flowgeom.continuity.factored import save_factored
-    from flowgeom.nn.llama import llama_state_dict
+    from flowgeom.nn.llama import check_state, llama_state_dict
 
     t0 = time.perf_counter()
     path = source_path(source)
     check_out_folder(path, out, force=force)  # before any work
     cfg, state = llama_state_dict(path)
-    check_against_config(cfg, state)
+    check_state(cfg, state)  # every layer, before any work: a disagreeing config.json is refused here
     check_weights(state, config.roles, cfg.num_hidden_layers)
     tokenizer = model_tokenizer(path)
     if config.method in DROP_METHODS:

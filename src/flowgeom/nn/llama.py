@@ -34,6 +34,7 @@ writes). The forward is checked against ``transformers.LlamaForCausalLM``
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -256,16 +257,7 @@ class LlamaForCausalLM(nn.Module):
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Copy an HF-named state dict key by key (``lm_head.weight`` optional when tied); strict otherwise."""
         own = self.state_dict()
-        expected = set(own) - ({"lm_head.weight"} if self.config.tie_word_embeddings else set())
-        missing, unexpected = sorted(expected - set(state)), sorted(set(state) - set(own))
-        if missing or unexpected:
-            raise FlowgeomError(f"Llama weights do not match the config: missing {missing[:5]}, unexpected "
-                                f"{unexpected[:5]}; the checkpoint is not a {self.config.num_hidden_layers}-layer "
-                                "Llama of this shape")
-        for name, tensor in state.items():
-            if tuple(tensor.shape) != tuple(own[name].shape):
-                raise FlowgeomError(f"tensor {name} has shape {list(tensor.shape)}, the config implies "
-                                    f"{list(own[name].shape)}; fix config.json or the checkpoint")
+        check_state(self.config, state, {k: tuple(v.shape) for k, v in own.items()})
         with torch.no_grad():
             for name, tensor in state.items():
                 own[name].copy_(tensor)
@@ -279,6 +271,28 @@ GGUF_NAMES = {
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+
+
+def check_state(cfg: LlamaConfig, state: Mapping[str, torch.Tensor],
+                shapes: Mapping[str, tuple[int, ...]] | None = None) -> None:
+    """Refuse ``state`` unless it holds every tensor ``cfg`` implies, in every layer, with its shape.
+
+    The one check of loaded weights against a config (evaluate, share, load): ``lm_head.weight`` is optional
+    when tied. ``shapes`` (name: shape) defaults to a model of ``cfg`` built on ``meta`` (nothing allocated).
+    """
+    if shapes is None:
+        with torch.device("meta"):
+            shapes = {k: tuple(v.shape) for k, v in LlamaForCausalLM(cfg).state_dict().items()}
+    expected = set(shapes) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - set(shapes))
+    if missing or unexpected:
+        raise FlowgeomError(f"Llama weights do not match the config: missing {missing[:5]}, unexpected "
+                            f"{unexpected[:5]}; the checkpoint is not a {cfg.num_hidden_layers}-layer Llama of this "
+                            "shape")
+    for name in sorted(state):
+        if tuple(state[name].shape) != tuple(shapes[name]):
+            raise FlowgeomError(f"tensor {name} has shape {list(state[name].shape)}, the config implies "
+                                f"{list(shapes[name])}; fix config.json or the checkpoint")
 
 
 def unpermute_rope_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
