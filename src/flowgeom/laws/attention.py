@@ -67,6 +67,7 @@ with a norm on the attention output (Gemma2's sandwich
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -88,8 +89,9 @@ def _plan(rows: Tensor) -> tuple[int, int] | Tensor:
     return (int(rows[0, 0]), int(rows[-1, -1]) + 1) if _contiguous(rows) else rows
 
 
-def _key(which: slice, dims: Tensor | None) -> tuple:
-    return which.start, which.stop, which.step, None if dims is None else tuple(dims.tolist())
+def _key(which: slice, dims: slice | None) -> tuple:
+    # slices, not index tensors: the key is built on every evaluation, so it must be cheap
+    return which.start, which.stop, which.step, None if dims is None else (dims.start, dims.stop, dims.step)
 
 
 @dataclass(frozen=True)
@@ -108,14 +110,14 @@ class Proj:
     def __post_init__(self):
         object.__setattr__(self, "_plans", {})  # (which, dims) -> (rows, slice bounds or index), computed once
 
-    def _rows(self, which: slice, dims: Tensor | None) -> tuple[Tensor, tuple[int, int] | Tensor]:
+    def _rows(self, which: slice, dims: slice | None) -> tuple[Tensor, tuple[int, int] | Tensor]:
         key = _key(which, dims)
         if key not in self._plans:
             rows = self.rows[which] if dims is None else self.rows[which][:, dims]  # (heads, d)
             self._plans[key] = (rows, _plan(rows))
         return self._plans[key]
 
-    def heads(self, p: Params, *, with_bias: bool = True, dims: Tensor | None = None, which: slice = slice(None)
+    def heads(self, p: Params, *, with_bias: bool = True, dims: slice | None = None, which: slice = slice(None)
               ) -> Tensor:
         """(heads, d, d_in[+1]) matrices of the heads ``which``, restricted to ``dims`` of each head."""
         rows, plan = self._rows(which, dims)
@@ -127,6 +129,15 @@ class Proj:
         if with_bias and self.bias is not None:
             m = torch.cat([m, p[self.bias][rows][..., None]], dim=-1)  # (heads, d, d_in + 1)
         return m
+
+    def taker(self, *, with_bias: bool = True, dims: slice | None = None, which: slice = slice(None)
+              ) -> Callable[[Params], Tensor]:
+        """``p -> self.heads(p, ...)`` with the plan fixed once: a law evaluates it every step."""
+        rows, plan = self._rows(which, dims)
+        if self.axis == 0 and (self.bias is None or not with_bias) and isinstance(plan, tuple):
+            name, (a, b), shape = self.weight, plan, rows.shape
+            return lambda p: p[name][a:b].reshape(*shape, -1)  # (heads, d, d_in): a view
+        return lambda p: self.heads(p, with_bias=with_bias, dims=dims, which=which)
 
     @property
     def params(self) -> tuple[str, ...]:
@@ -154,6 +165,15 @@ class OutProj:
         if isinstance(plan, tuple):
             return w[:, plan[0]:plan[1]].reshape(w.shape[0], *cols.shape).permute(1, 0, 2)
         return w[:, cols].permute(1, 0, 2)  # (heads, d_model, d_v)
+
+    def taker(self, which: slice = slice(None)) -> Callable[[Params], Tensor]:
+        """``p -> self.heads(p, which)`` with the plan fixed once."""
+        cols = self.cols[which]
+        plan = _plan(cols)
+        if self.axis == 1 and isinstance(plan, tuple):
+            name, (a, b), shape = self.weight, plan, cols.shape
+            return lambda p: p[name][:, a:b].reshape(-1, *shape).permute(1, 0, 2)  # (heads, d_model, d_v)
+        return lambda p: self.heads(p, which)
 
 
 @dataclass(frozen=True)
@@ -215,19 +235,20 @@ def _qk_laws(s: AttentionSpec, g: int) -> list[Law]:
     """The Q/K laws of K/V group g: per rotation pair, the matrix law on the unrotated dims, the k bias."""
     d, r = s.head_dim, s.rotary
     half = r // 2
-    rot = torch.arange(r)
-    free = torch.arange(r, d)
+    rot, free = slice(0, r), slice(r, d)  # the rotated and the unrotated dims of each head
     laws: list[Law] = []
     qk = s.q.params + s.k.params
     if r:
+        q_rot, k_rot = s.q.taker(dims=rot, which=_qs(s, g)), s.k.taker(dims=rot, which=slice(g, g + 1))
+
         def block_law(p: Params) -> Tensor:
-            qn = (s.q.heads(p, dims=rot, which=_qs(s, g)) ** 2).sum(-1).sum(0)  # (r,) Σ_i row norms
-            kn = (s.k.heads(p, dims=rot, which=slice(g, g + 1))[0] ** 2).sum(-1)  # (r,)
+            qn = (q_rot(p) ** 2).sum(-1).sum(0)  # (r,) Σ_i row norms
+            kn = (k_rot(p)[0] ** 2).sum(-1)  # (r,)
             h = qn - kn
             return h[:half] + h[half:]  # pair j = dims (j, j + r/2)
 
         def block_ops(p: Params) -> tuple[Tensor, Tensor]:
-            return s.q.heads(p, dims=rot, which=_qs(s, g)), s.k.heads(p, dims=rot, which=slice(g, g + 1))
+            return q_rot(p), k_rot(p)
 
         if s.labels == "head":
             q, k = s.q.weight, s.k.weight
@@ -239,15 +260,15 @@ def _qk_laws(s: AttentionSpec, g: int) -> list[Law]:
         laws.append(_law("attn.qk_rope", name, formula, half, qk, block_law, batch=Batch(rownorm_diff, block_ops, (half,))))
     if d - r:
         n = d - r
+        q_free = s.q.taker(dims=free, which=_qs(s, g))  # (H/G, n, d_in[+1])
+        k_free = s.k.taker(with_bias=False, dims=free, which=slice(g, g + 1))  # (1, n, d_in)
 
         def matrix_law(p: Params) -> Tensor:
-            Q = s.q.heads(p, dims=free, which=_qs(s, g))  # (H/G, n, d_in[+1])
-            K = s.k.heads(p, with_bias=False, dims=free, which=slice(g, g + 1))[0]  # (n, d_in)
+            Q, K = q_free(p), k_free(p)[0]
             return upper((Q @ Q.transpose(-1, -2)).sum(0) - K @ K.T)
 
         def matrix_ops(p: Params) -> tuple[Tensor, Tensor]:
-            return (s.q.heads(p, dims=free, which=_qs(s, g)),
-                    s.k.heads(p, with_bias=False, dims=free, which=slice(g, g + 1)))
+            return q_free(p), k_free(p)
 
         where = "" if not r else f" on the {n} unrotated dims"
         if s.labels == "head":
@@ -316,14 +337,14 @@ def _qk_norm_laws(s: AttentionSpec) -> list[Law]:
 def _vo_law(s: AttentionSpec, g: int) -> Law:
     """Ṽ_gṼ_gᵀ − Σ_i∈g O_iᵀO_i of K/V group g."""
     d = s.d_v
+    v_g, o_g = s.v.taker(which=slice(g, g + 1)), s.o.taker(which=_qs(s, g))
 
     def vo(p: Params) -> Tensor:
-        V = s.v.heads(p, which=slice(g, g + 1))[0]  # (d_v, d_in[+1])
-        O = s.o.heads(p, which=_qs(s, g))  # (H/G, d_model, d_v)
+        V, O = v_g(p)[0], o_g(p)  # (d_v, d_in[+1]), (H/G, d_model, d_v)
         return upper(V @ V.T - (O.transpose(-1, -2) @ O).sum(0))
 
     def vo_ops(p: Params) -> tuple[Tensor, Tensor]:
-        return s.v.heads(p, which=slice(g, g + 1)), s.o.heads(p, which=_qs(s, g)).transpose(-1, -2)
+        return v_g(p), o_g(p).transpose(-1, -2)
 
     if s.labels == "head":
         a, b = int(s.v.rows[g, 0]), int(s.v.rows[g, -1]) + 1
