@@ -316,6 +316,7 @@ def test_nan_weights_are_refused_before_any_work(tiny, tmp_path, capsys):
     (lambda o: _edit_json(o, lambda m: m.update(format="other")), "not a flowgeom-factored"),
     (lambda o: (o / "model.safetensors").write_bytes((o / "model.safetensors").read_bytes()[:-100]), "model.safet"),
     (lambda o: (o / "flowgeom_factored.json").unlink(), None),
+    (lambda o: _int_codes(o / "model.safetensors"), "a quantised checkpoint; dequantise it"),  # the rule of HF/GGUF
 ])
 def test_a_damaged_factored_folder_is_one_line_exit_2(tiny, tmp_path, capsys, damage, message):
     out = tmp_path / "f"
@@ -328,6 +329,15 @@ def test_a_damaged_factored_folder_is_one_line_exit_2(tiny, tmp_path, capsys, da
     else:
         assert code == 2 and message in err, err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def _int_codes(path):
+    """The folder's embedding replaced by int8 codes: refused by the same rule as an int8 HF folder or GGUF."""
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(path))
+    state["model.embed_tokens.weight"] = state["model.embed_tokens.weight"].to(torch.int8)
+    save_file(state, str(path))
 
 
 def _edit_json(folder, edit):

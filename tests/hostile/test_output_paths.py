@@ -195,3 +195,16 @@ def test_cli_a_linked_subfolder_of_out_is_refused_before_training(tmp_path, outs
     assert rc == 2 and err.strip() == (
         f"flowgeom: error: run folder out/gd goes through the symlink out/gd (-> {outside}); {LINK} out: remove the link")
     assert snapshot(outside) == before and sorted(p.name for p in outside.iterdir()) == ["precious.json"]
+
+
+def test_cli_a_linked_figure_is_refused_before_the_work(tmp_path, outside, cli, monkeypatch):
+    """--figure onto a planted link: refused by the argument check, before the probe runs, nothing written."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "fig.png").symlink_to(outside / "precious.png")
+    before = snapshot(outside)
+    rc, stdout, err = cli(["langevin", "villani", "--figure", "fig.png"])
+    assert rc == 2 and not stdout
+    assert err.strip() == ("flowgeom langevin villani: error: argument --figure: --figure fig.png goes through the "
+                           f"symlink fig.png (-> {outside / 'precious.png'}); {LINK} .: remove the link; "
+                           "see `flowgeom langevin villani --help`")
+    assert snapshot(outside) == before

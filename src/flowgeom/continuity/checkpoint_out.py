@@ -18,12 +18,16 @@ its writer died before the new one took its place.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
+import struct
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+
+import torch
 
 from flowgeom.errors import FlowgeomError
 
@@ -100,19 +104,50 @@ def write_folder(out: Path, fill: Callable[[Path], None], *, force: bool) -> Non
         shutil.rmtree(old, ignore_errors=True)
 
 
+# torch dtype -> safetensors' name, for the dtypes flowgeom writes, in safetensors' own order of its
+# Dtype enum reversed (the order it lays tensors out in: by dtype, then by name)
+_SAFETENSORS_DTYPES = {torch.int64: "I64", torch.float64: "F64", torch.float32: "F32", torch.int32: "I32",
+                       torch.bfloat16: "BF16", torch.float16: "F16", torch.int16: "I16", torch.int8: "I8",
+                       torch.uint8: "U8", torch.bool: "BOOL"}
+_DTYPE_RANK = {dtype: i for i, dtype in enumerate(_SAFETENSORS_DTYPES)}
+
+
+def stream_safetensors(fh, tensors: dict, metadata: dict[str, str] | None = None) -> None:
+    """Write ``tensors`` to the binary file ``fh`` in the safetensors format, one tensor at a time.
+
+    Byte for byte what ``safetensors.torch.save`` returns (metadata first, tensors by
+    dtype then name, the header padded with spaces to 8 bytes), but never
+    the whole file in memory: ``safetensors`` writes to a path or to bytes only, and the
+    write must go through the one output helper (an open file).
+    """
+    odd = next((k for k, t in tensors.items() if t.dtype not in _SAFETENSORS_DTYPES), None)
+    if odd is not None:
+        raise FlowgeomError(f"tensor {odd} has dtype {tensors[odd].dtype}, which flowgeom does not write; cast it first")
+    order = sorted(tensors, key=lambda k: (_DTYPE_RANK[tensors[k].dtype], k))
+    header: dict = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name in order:
+        t = tensors[name]
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    fh.write(struct.pack("<Q", len(text)) + text)
+    for name in order:
+        t = tensors[name].detach().to("cpu").contiguous()
+        if t.numel():
+            fh.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))  # the tensor's own bytes, no copy
+
+
 def write_model_files(folder: Path, tensors: dict, config_json: dict, *, tokenizer=None, report: dict | None = None,
                       extra: dict[str, dict] | None = None) -> None:
     """``model.safetensors``, ``config.json``, ``extra`` JSON files, ``tokenizer.json`` and ``flowgeom_share.json``
-    (the compression report) in ``folder``, each through :func:`flowgeom.runs.atomic_write`.
+    (the compression report) in ``folder``, each through :func:`flowgeom.runs.atomic_write`."""
+    from flowgeom.runs import atomic_write, atomic_write_bytes, atomic_write_json
 
-    The safetensors bytes are built in memory first (``safetensors`` writes only to a path, and the write must
-    go through the one output helper): the peak is twice the tensors.
-    """
-    from safetensors.torch import save
-
-    from flowgeom.runs import atomic_write_bytes, atomic_write_json
-
-    atomic_write_bytes(folder / "model.safetensors", save(tensors, metadata={"format": "pt"}), root=folder)
+    atomic_write(folder / "model.safetensors", lambda fh: stream_safetensors(fh, tensors, {"format": "pt"}), root=folder)
     jsons = {"config.json": config_json, **(extra or {}), **({} if report is None else {"flowgeom_share.json": report})}
     for name, obj in jsons.items():
         atomic_write_json(folder / name, obj, root=folder)

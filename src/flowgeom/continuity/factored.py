@@ -36,6 +36,7 @@ from torch import nn
 
 from flowgeom.continuity.compression import HF_NAMES, Compressed, weight_key
 from flowgeom.errors import FlowgeomError
+from flowgeom.nn.llama import refuse_integer_codes
 
 FORMAT = "flowgeom-factored"
 VERSION = 1
@@ -196,6 +197,7 @@ def read_factored(folder: str | Path) -> tuple[object, list[FactoredUnit], dict[
             if weight_key(l, u.role) in src.shapes:
                 raise _bad(folder, f"{weight_key(l, u.role)} is stored both dense and factored")
     tensors = {name: src.load(name) for name in src.shapes}
+    refuse_integer_codes(folder, tensors)  # the rule of every weight file; then the factored format's own types
     for name, t in tensors.items():
         if t.dtype not in FLOAT_DTYPES:
             raise _bad(folder, f"tensor {name} has dtype {str(t.dtype).replace('torch.', '')}, not a float type")

@@ -128,15 +128,14 @@ def calibration_ids(source: Path, calib: str, tokens: int, seq_len: int, tokeniz
 
 
 def check_weights(state: Mapping[str, torch.Tensor], roles: Sequence[str], n_layers: int) -> None:
+    """Refuse NaN or Inf in the projections to compress (integer codes were refused when loading:
+    :func:`flowgeom.nn.llama.refuse_integer_codes`)."""
     for l in range(n_layers):
         for role in roles:
             key = C.weight_key(l, role)
             t = state.get(key)
             if t is None:
                 continue
-            if not t.is_floating_point():
-                raise FlowgeomError(f"{key} has dtype {str(t.dtype).replace('torch.', '')}: integer codes cannot be "
-                                    "compressed as weights; dequantise the checkpoint first")
             if not torch.isfinite(t).all():
                 raise FlowgeomError(f"{key} holds NaN or Inf; the checkpoint is damaged: re-export it")
 

@@ -378,8 +378,8 @@ def hf_state_dict(folder: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tens
     return cfg, float_weights(folder, {name: src.load(name) for name in src.shapes})
 
 
-def float_weights(where: str | Path, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``state`` as float32, refusing integer tensors: the one rule for HF folders and GGUF files alike.
+def refuse_integer_codes(where: str | Path, state: Mapping[str, torch.Tensor]) -> None:
+    """The one rule for every weight file flowgeom loads (HF folders, GGUF, factored folders): no integer tensors.
 
     int8/int4 codes cast to float would be scored as a different model (GGUF's own quantised types are
     dequantised by the reader and arrive here as floats).
@@ -389,6 +389,11 @@ def float_weights(where: str | Path, state: dict[str, torch.Tensor]) -> dict[str
         raise FlowgeomError(f"{where}: {codes[0]} has dtype {str(state[codes[0]].dtype).replace('torch.', '')} (and "
                             f"{len(codes) - 1} more integer tensors): a quantised checkpoint; dequantise it to "
                             "float (e.g. save_pretrained of the dequantised model) first")
+
+
+def float_weights(where: str | Path, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` as float32, refusing integer tensors (:func:`refuse_integer_codes`)."""
+    refuse_integer_codes(where, state)
     return {name: t.float() for name, t in state.items()}
 
 

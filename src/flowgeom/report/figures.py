@@ -26,8 +26,9 @@ def check_figure_path(path: str | os.PathLike) -> Path:
     """``path`` as a Path if a figure can be written there, else :class:`FlowgeomError` (before any work).
 
     Refused: an extension matplotlib cannot write (the error lists those it
-    can), a path that is an existing directory, a parent that is a file or
-    an existing folder on the way that is not writable.
+    can), a path that is an existing directory, and what
+    :func:`flowgeom.files.check_out_file` refuses (a symlink, a parent that is
+    a file or a folder that is not writable, an existing checkpoint).
     """
     raw = os.fspath(path)
     path = Path(raw)
@@ -39,15 +40,9 @@ def check_figure_path(path: str | os.PathLike) -> Path:
     if ext not in formats:
         raise FlowgeomError(f"figure path {str(path)!r}: unknown extension {('.' + ext) if ext else '(none)'!r}; "
                             f"use one of: {listed}")
-    for parent in path.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise FlowgeomError(f"figure path {str(path)!r}: {str(parent)!r} is a file, not a folder; "
-                                    "choose another location")
-            if not os.access(parent, os.W_OK | os.X_OK):
-                raise FlowgeomError(f"figure path {str(path)!r}: folder {str(parent)!r} is not writable; "
-                                    "choose another location")
-            break
+    from flowgeom.files import check_out_file
+
+    check_out_file(path, "--figure")  # a link, a parent that is a file or not writable: the one output rule
     return path
 
 
