@@ -86,14 +86,12 @@ def sweep_budgets(source: str, out: Path, config: ShareConfig, budgets: Sequence
 
 
 def sweep_figure(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # object API: no pyplot, no global backend switch
 
     from flowgeom.runs import atomic_write_figure
 
-    fig, ax = plt.subplots(figsize=(5, 3.4))
+    fig = Figure(figsize=(5, 3.4))
+    ax = fig.add_subplot()
     pts = result["points"]
     ax.plot([100 * p["saved_fraction"] for p in pts], [p["ppl"] for p in pts], "o-", label=result["method"])
     ax.axhline(result["reference_ppl"], color="k", ls="--", lw=1, label="uncompressed")
@@ -103,7 +101,4 @@ def sweep_figure(result: dict[str, Any], path: Path) -> None:
     ax.legend()
     ax.set_title(Path(result["source"]).name, fontsize=9)
     fig.tight_layout()
-    try:
-        atomic_write_figure(path, fig, dpi=120)
-    finally:
-        plt.close(fig)
+    atomic_write_figure(path, fig, dpi=120)

@@ -7,14 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from flowgeom.continuity.dynamics import series
+from flowgeom.report.figures import new_figure
 from flowgeom.runs import atomic_write_figure
-
-
-def _figure(figsize: tuple[float, float]):
-    """A bare :class:`matplotlib.figure.Figure` (object API: no pyplot, no global backend switch)."""
-    from matplotlib.figure import Figure
-
-    return Figure(figsize=figsize)
 
 
 def _save(fig, path: str | Path) -> Path:
@@ -32,7 +26,7 @@ def plot_ablation_curves(runs: Mapping[str, Sequence[Mapping[str, Any]]], path: 
 
     ``runs`` maps a variant name to its metrics.jsonl records.
     """
-    fig = _figure((15, 4))
+    fig = new_figure((15, 4))
     axes = fig.subplots(1, 3)
     panels = (("weight", "v1", "weight continuity |cos v1|"), ("grad", "v1", "gradient continuity |cos v1|"),
               (None, "dw_ratio", "||ΔW|| / ||W(0)||"))
@@ -63,7 +57,7 @@ def plot_roles(records: Sequence[Mapping[str, Any]], path: str | Path, *, roles:
     roles = list(roles or (recs[0]["continuity"] if recs else []))
     panels = (("weight", "v1", "weight v1 (input space)"), ("weight", "u1", "weight u1 (output space)"),
               ("grad", "v1", "gradient v1"), ("grad", "u1", "gradient u1"), (None, "dw_ratio", "||ΔW|| / ||W(0)||"))
-    fig = _figure((4 * len(panels), 4))
+    fig = new_figure((4 * len(panels), 4))
     axes = fig.subplots(1, len(panels))
     for role in roles:
         for ax, (kind, metric, title) in zip(axes, panels):
@@ -99,7 +93,7 @@ def draw_trajectories(runs: Sequence[tuple[str, Sequence[Mapping[str, Any]]]], *
     panel is the last ``tail`` fraction of the steps, over which the plateau is
     judged.
     """
-    fig = _figure((13, 4.6))
+    fig = new_figure((13, 4.6))
     ax_w, ax_g = fig.subplots(1, 2, sharey=True)
     colours = _colours([name for name, _ in runs])
     labelled: set[str] = set()
@@ -152,7 +146,7 @@ def draw_transfer(rows: Sequence[Mapping[str, Any]]):
     logged steps, ▲ at the crossing, ● at the onset, and the runs without one
     named as such.
     """
-    fig = _figure((13, 0.42 * max(len(rows), 4) + 2.2))
+    fig = new_figure((13, 0.42 * max(len(rows), 4) + 2.2))
     ax_s, ax_t = fig.subplots(1, 2, gridspec_kw={"width_ratios": (1, 1.4)})
     colours = _colours([r["variant"] for r in rows])
     both = [r for r in rows if r["dW>W0_step"] is not None and r["w_onset_step"] is not None]

@@ -37,12 +37,12 @@ def plot_drift(history: Sequence[Mapping[str, Any]], path: str | os.PathLike, *,
 
     ``path`` is refused when it is, or lies inside, one of ``inputs`` (the checkpoints read).
     """
-    from flowgeom.report.figures import _figure, check_figure_path
+    from flowgeom.report.figures import new_figure, check_figure_path
     from flowgeom.runs import atomic_write_figure
 
     path = check_figure_path(path)
     series = drift_series(history)
-    fig = _figure((6.4, 3.9))
+    fig = new_figure((6.4, 3.9))
     ax = fig.subplots()
     colours = {}
     for i, (fam, (x, y)) in enumerate(sorted(series["eps"].items())):

@@ -46,7 +46,7 @@ def check_figure_path(path: str | os.PathLike) -> Path:
     return path
 
 
-def _figure(figsize: tuple[float, float]):
+def new_figure(figsize: tuple[float, float]):
     """A bare :class:`matplotlib.figure.Figure` (object API: no pyplot state, no global backend switch)."""
     from matplotlib.figure import Figure
 
@@ -66,7 +66,7 @@ def log_bars(path: str | os.PathLike, groups: Mapping[str, Mapping[str, float]],
     """
     labels = list(groups)
     series = sorted({s for g in groups.values() for s in g})
-    fig = _figure((max(5.0, 0.9 * len(labels) + 2), 3.4))
+    fig = new_figure((max(5.0, 0.9 * len(labels) + 2), 3.4))
     ax = fig.subplots()
     width = 0.8 / max(1, len(series))
     for k, name in enumerate(series):
@@ -87,7 +87,7 @@ def log_bars(path: str | os.PathLike, groups: Mapping[str, Mapping[str, float]],
 def paired_bars(path: str | os.PathLike, labels: Sequence[str], left: Sequence[float], right: Sequence[float], *,
                 names: tuple[str, str], title: str, ylabel: str) -> Path:
     """Two bars per label (e.g. the seed's count vs our count)."""
-    fig = _figure((max(5.0, 0.9 * len(labels) + 2), 3.4))
+    fig = new_figure((max(5.0, 0.9 * len(labels) + 2), 3.4))
     ax = fig.subplots()
     xs = range(len(labels))
     ax.bar([x - 0.2 for x in xs], left, width=0.4, label=names[0])
@@ -103,7 +103,7 @@ def paired_bars(path: str | os.PathLike, labels: Sequence[str], left: Sequence[f
 def curves(path: str | os.PathLike, series: Mapping[str, tuple[Sequence[float], Sequence[float]]], *, title: str,
            xlabel: str, ylabel: str, logx: bool = False, logy: bool = False) -> Path:
     """One line per named ``(x, y)`` series."""
-    fig = _figure((5.5, 3.4))
+    fig = new_figure((5.5, 3.4))
     ax = fig.subplots()
     for name, (x, y) in series.items():
         ax.plot(list(x), list(y), marker="o", ms=3, label=name)
