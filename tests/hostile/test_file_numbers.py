@@ -265,9 +265,7 @@ def test_hf_target_with_200000_layers_is_refused_before_it_is_built(cli):
                                        "real model is that size); lower num_hidden_layers")
 
 
-def test_hf_target_size_is_extrapolated_before_the_full_build(cli, monkeypatch):
-    """4000 layers pass the layer bound but not the size: refused from the 1- and 2-layer builds alone."""
-    pytest.importorskip("transformers")
+def _spy_builds(monkeypatch) -> list:
     import transformers
 
     built = []
@@ -278,12 +276,53 @@ def test_hf_target_size_is_extrapolated_before_the_full_build(cli, monkeypatch):
         return real(config, **kwargs)
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_config", spy)
+    return built
+
+
+def test_hf_target_size_is_refused_by_arithmetic_before_any_build(cli, monkeypatch):
+    """4000 layers pass the layer bound but not the size: refused from the config alone, nothing built."""
+    pytest.importorskip("transformers")
+    built = _spy_builds(monkeypatch)
     rc, _, err = cli(["laws", "count", "hf:llama:mlp", "--config", "num_hidden_layers=4000",
                       "--config", "hidden_size=64", "--config", "intermediate_size=64", "--config", "head_dim=32"])
     per_layer = 4 * 64 * 64 + 3 * 64 * 64 + 2 * 64  # q k v o (2 heads x 32), gate/up/down, two RMSNorms
     total = 4000 * per_layer + 2 * 16 * 64 + 64  # untied embedding and lm_head (vocab 16), final norm
-    assert rc == 2 and f"has about {total:,} parameters, more than the 20,000,000" in err, err
-    assert built == [1, 2]  # the 4000-layer model was never built, not even on meta
+    assert rc == 2 and f"has at least {total:,} parameters, more than the 20,000,000" in err, err
+    assert built == []  # not even on meta
+
+
+def test_what_the_bound_leaves_out_is_extrapolated_before_the_full_build(cli, monkeypatch):
+    """GPT-2's position table is not in the arithmetic bound: the 1- and 2-layer meta builds catch it."""
+    pytest.importorskip("transformers")
+    built = _spy_builds(monkeypatch)
+    rc, _, err = cli(["laws", "count", "hf:gpt2:mlp", "--config", "n_layer=3", "--config", "n_positions=3000000"])
+    assert rc == 2 and "has about " in err and "more than the 20,000,000" in err, err
+    assert built == [1, 2]  # the 3-layer model was never built
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "gemma2", "phi3", "gpt2", "bert", "gpt_neox",
+                                        "mixtral", "qwen2_moe", "olmoe"])
+@pytest.mark.parametrize("overrides", [{}, {"num_hidden_layers": 3}, {"tie_word_embeddings": True},
+                                       {"num_key_value_heads": 1}, {"mlp_only_layers": [1]}])
+def test_the_arithmetic_bound_never_exceeds_the_real_count(model_type, overrides):
+    pytest.importorskip("transformers")
+    import torch
+    import transformers
+
+    from flowgeom.hf.families import FAMILIES
+    from flowgeom.hf.tiny import tiny_config
+    from flowgeom.laws.hf_target import parameters_at_least
+
+    if "num_key_value_heads" in overrides and model_type in ("gpt2", "bert", "gpt_neox"):
+        pytest.skip("no grouped-query attention in this family")
+    if "mlp_only_layers" in overrides and model_type != "qwen2_moe":
+        pytest.skip("only Qwen2-MoE mixes dense and sparse layers")
+    config = tiny_config(model_type, **{**FAMILIES[model_type].tiny, **overrides})
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager",
+                                                                 experts_implementation="eager")
+    real = sum(p.numel() for p in model.parameters())
+    assert 0.5 * real <= parameters_at_least(config, FAMILIES[model_type]) <= real
 
 
 # -- GGUF tokenizer metadata ------------------------------------------------------------------------------------

@@ -65,7 +65,7 @@ import torch
 from torch import nn
 
 from flowgeom.errors import FlowgeomError
-from flowgeom.hf.families import FAMILIES, attention_heads, rotary_dims
+from flowgeom.hf.families import FAMILIES, Family, attention_heads, rotary_dims
 from flowgeom.laws.precision import keep_dtype
 from flowgeom.limits import file_int
 from flowgeom.options import boolean, key_values
@@ -289,11 +289,47 @@ def closed_form(model_type: str, part: str, config: Any) -> int | None:
 MAX_MODEL_PARAMETERS = 20_000_000  # the whole tiny model is built (160 MB in float64) before layer 0 is taken
 
 
-def _check_size(model_type: str, kwargs: dict[str, Any]) -> None:
-    """Build the model on the meta device (no memory) and refuse it above MAX_MODEL_PARAMETERS.
+def _too_large(model_type: str, kwargs: dict[str, Any], size: int, how: str) -> FlowgeomError:
+    return FlowgeomError(f"a {model_type} with {kwargs} has {how}{size:,} parameters, more than the "
+                         f"{MAX_MODEL_PARAMETERS:,} a tiny model for counting may have; lower hidden_size, "
+                         "num_hidden_layers, vocab_size or the expert count with --config")
 
-    The layer count is bounded and the size extrapolated from 1 and 2 layers first, so a huge
-    ``num_hidden_layers`` is refused before a model with that many layers is built.
+
+def parameters_at_least(config: Any, fam: Family) -> int:
+    """A lower bound on the parameters of ``fam`` under ``config``, by arithmetic on the config alone.
+
+    Token embeddings (and an untied head), a norm weight per residual branch and a final one, the
+    q/k/v/o projections and the MLP's matrices (a MoE layer: the smaller of its experts + router and a
+    dense MLP, for families that mix both); biases and any other norm are left out, so the bound never
+    exceeds the real count (tested against the meta build for every family).
+    """
+    d = _cfg_int(config, "hidden_size")
+    heads, kv, hd = attention_heads(config, fam)
+    vocab, layers = _cfg_int(config, "vocab_size"), _cfg_int(config, "num_hidden_layers")
+    width = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * d
+    attention = d * (heads + 2 * kv) * hd + heads * hd * d
+    mlp = (3 if fam.mlp in ("gated", "fused_gated", "moe") else 2) * d * width
+    if fam.mlp == "moe":
+        experts = getattr(config, "num_local_experts", None) or config.num_experts
+        sparse = experts * (3 * d * (getattr(config, "moe_intermediate_size", None) or width) + d)
+        # Qwen2-MoE may leave layers dense (mlp_only_layers, decoder_sparse_step): then the smaller of the two
+        mixed = getattr(config, "mlp_only_layers", None) or getattr(config, "decoder_sparse_step", 1) != 1
+        mlp = min(mlp, sparse) if mixed else sparse
+    head = vocab * d if getattr(config, "tie_word_embeddings", True) is False else 0
+    return vocab * d + head + d + layers * (2 * d + attention + mlp)
+
+
+def _cfg_int(config: Any, name: str) -> int:
+    value = getattr(config, name)
+    return file_int(value, name, where="--config", fix=f"lower {name}")
+
+
+def _check_size(model_type: str, kwargs: dict[str, Any]) -> None:
+    """Refuse a model above MAX_MODEL_PARAMETERS: first by arithmetic on the config (nothing built), then
+    from 1- and 2-layer builds on the meta device, then from the whole model on meta (no memory).
+
+    A layer count like 200000 is refused by its bound; a size like 4000 layers × width 64 by
+    :func:`parameters_at_least` before any module is built.
     """
     import transformers
 
@@ -308,29 +344,28 @@ def _check_size(model_type: str, kwargs: dict[str, Any]) -> None:
     config = tiny_config(model_type, **kwargs)
     layers = getattr(config, "num_hidden_layers", None)
     if isinstance(layers, int):
-        # A layer count like 200000 would take minutes even on meta: bound it, then extrapolate the size
-        # arithmetically from 1- and 2-layer builds, P(L) = P(1) + (L - 1)(P(2) - P(1)), before building L layers.
         file_int(layers, "num_hidden_layers", where="--config", fix="lower num_hidden_layers")
-        if layers > 2:
-            small = [tiny_config(model_type, **kwargs) for _ in (1, 2)]
-            try:
-                for n, cfg in enumerate(small, start=1):
-                    cfg.num_hidden_layers = n
-                    if isinstance(getattr(cfg, "layer_types", None), list):
-                        cfg.layer_types = cfg.layer_types[:n]
-                one, two = (parameters(cfg) for cfg in small)
-            except Exception:  # noqa: BLE001 - a family whose layers cannot be cut: the full build decides
-                one = two = 0
-            estimate = one + (layers - 1) * (two - one)
-            if estimate > MAX_MODEL_PARAMETERS:
-                raise FlowgeomError(f"a {model_type} with {kwargs} has about {estimate:,} parameters, more than the "
-                                    f"{MAX_MODEL_PARAMETERS:,} a tiny model for counting may have; lower hidden_size, "
-                                    "num_hidden_layers, vocab_size or the expert count with --config")
+    least = parameters_at_least(config, FAMILIES[model_type])
+    if least > MAX_MODEL_PARAMETERS:
+        raise _too_large(model_type, kwargs, least, "at least ")
+    if isinstance(layers, int) and layers > 2:
+        # what the bound leaves out (biases, extra norms): extrapolate arithmetically from 1- and 2-layer builds,
+        # P(L) = P(1) + (L - 1)(P(2) - P(1)), before building L layers
+        small = [tiny_config(model_type, **kwargs) for _ in (1, 2)]
+        try:
+            for n, cfg in enumerate(small, start=1):
+                cfg.num_hidden_layers = n
+                if isinstance(getattr(cfg, "layer_types", None), list):
+                    cfg.layer_types = cfg.layer_types[:n]
+            one, two = (parameters(cfg) for cfg in small)
+        except Exception:  # noqa: BLE001 - a family whose layers cannot be cut: the full build decides
+            one = two = 0
+        estimate = one + (layers - 1) * (two - one)
+        if estimate > MAX_MODEL_PARAMETERS:
+            raise _too_large(model_type, kwargs, estimate, "about ")
     total = parameters(config)
     if total > MAX_MODEL_PARAMETERS:
-        raise FlowgeomError(f"a {model_type} with {kwargs} has {total:,} parameters, more than the "
-                            f"{MAX_MODEL_PARAMETERS:,} a tiny model for counting may have; lower hidden_size, "
-                            "num_hidden_layers, vocab_size or the expert count with --config")
+        raise _too_large(model_type, kwargs, total, "")
 
 
 @dataclass
