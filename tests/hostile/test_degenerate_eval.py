@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import math
 import re
 from pathlib import Path
@@ -24,6 +23,7 @@ from flowgeom.continuity.checkpoint_out import save_llama_folder
 from flowgeom.continuity.lm_eval import EvalConfig, perplexity
 from flowgeom.errors import FlowgeomError
 from flowgeom.nn.llama import LlamaConfig, LlamaForCausalLM
+from tree_digest import snapshot  # noqa: E402  (tests/hostile is on sys.path)
 
 TINY = LlamaConfig(vocab_size=32, hidden_size=8, intermediate_size=12, num_hidden_layers=2, num_attention_heads=2,
                    num_key_value_heads=1, head_dim=4, max_position_embeddings=64)
@@ -36,11 +36,6 @@ def _model(scale: float = 1.0) -> LlamaForCausalLM:
         for p in model.parameters():
             p.mul_(scale)
     return model.eval()
-
-
-def snapshot(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ and allocations are guarded by a timeout / by asserting the refusal is fast.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from pathlib import Path
@@ -22,14 +21,10 @@ from flowgeom.continuity.checkpoint_out import save_llama_folder
 from flowgeom.errors import FlowgeomError
 from flowgeom.limits import LIMITS, file_float, file_int
 from flowgeom.nn.llama import LlamaConfig, llama_state_dict
+from tree_digest import snapshot  # noqa: E402  (tests/hostile is on sys.path)
 
 TINY = LlamaConfig(vocab_size=32, hidden_size=8, intermediate_size=12, num_hidden_layers=2, num_attention_heads=2,
                    num_key_value_heads=1, head_dim=4, max_position_embeddings=64)
-
-
-def snapshot(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file() and "cache" not in p.relative_to(root).parts}
 
 
 def _state(cfg: LlamaConfig) -> dict[str, torch.Tensor]:
@@ -96,7 +91,7 @@ def test_huge_numbers_in_config_json_are_refused_before_any_allocation(folder, t
     cfg = json.loads((folder / "config.json").read_text())
     cfg[key] = value
     (folder / "config.json").write_text(json.dumps(cfg))
-    before = snapshot(tmp_path)
+    before = snapshot(tmp_path, skip=("cache",))
     start = time.perf_counter()
     rc, out, err = cli(["continuity", "evaluate", folder, "--text", tmp_path / "text.txt", "--context", "8",
                         "--out", tmp_path / "o.json"])
@@ -104,7 +99,7 @@ def test_huge_numbers_in_config_json_are_refused_before_any_allocation(folder, t
     assert rc == 2 and not out
     assert err.strip() == (f"flowgeom: error: {folder}: {line} (no real model is that size); fix config.json "
                            "(or the GGUF metadata)")
-    assert not (tmp_path / "o.json").exists() and snapshot(tmp_path) == before
+    assert not (tmp_path / "o.json").exists() and snapshot(tmp_path, skip=("cache",)) == before
 
 
 def test_the_untouched_folder_evaluates(folder, tmp_path, cli, strict_json):
@@ -171,24 +166,24 @@ def test_a_real_gguf_loads(tmp_path):
 ])
 def test_forged_gguf_metadata_is_refused_by_share(tmp_path, cli, override, line):
     path = _gguf(tmp_path / "forged.gguf", **override)
-    before = snapshot(tmp_path)
+    before = snapshot(tmp_path, skip=("cache",))
     start = time.perf_counter()
     rc, out, err = cli(["continuity", "share", path, "--out", tmp_path / "o", "--method", "svd", "--rank", "2"])
     assert time.perf_counter() - start < 60
     assert rc == 2 and err.strip() == (f"flowgeom: error: {line}; the file is corrupt or forged: re-download or "
                                        "re-convert it")
-    assert not (tmp_path / "o").exists() and snapshot(tmp_path) == before
+    assert not (tmp_path / "o").exists() and snapshot(tmp_path, skip=("cache",)) == before
 
 
 def test_int8_codes_in_a_gguf_are_refused_like_in_an_hf_folder(tmp_path, cli):
     """One rule for both paths: integer weight codes are refused, never cast to float and scored."""
     path = _gguf(tmp_path / "codes.gguf", int8="blk.1.ffn_up.weight")
-    before = snapshot(tmp_path)
+    before = snapshot(tmp_path, skip=("cache",))
     rc, _, err = cli(["continuity", "share", path, "--out", tmp_path / "o", "--method", "svd", "--rank", "2"])
     assert rc == 2 and err.strip() == (f"flowgeom: error: {path}: blk.1.ffn_up.weight has dtype int8 (and 0 more "
                                        "integer tensors): a quantised checkpoint; dequantise it to float (e.g. "
                                        "save_pretrained of the dequantised model) first")
-    assert not (tmp_path / "o").exists() and snapshot(tmp_path) == before
+    assert not (tmp_path / "o").exists() and snapshot(tmp_path, skip=("cache",)) == before
     from safetensors.torch import save_file
 
     hf = tmp_path / "hf"
@@ -240,10 +235,10 @@ def _lora_folder(path: Path, rank: int, adapter: dict) -> Path:
 ])
 def test_forged_adapter_config_is_refused_by_name(tmp_path, cli, rank, adapter, line):
     path = _lora_folder(tmp_path / "m", rank, adapter)
-    before = snapshot(tmp_path)
+    before = snapshot(tmp_path, skip=("cache",))
     rc, out, err = cli(["continuity", "analyze", path, "--merge-lora", "--out", tmp_path / "o.json"])
     assert rc == 2 and err.strip() == f"flowgeom: error: {line}"
-    assert not (tmp_path / "o.json").exists() and snapshot(tmp_path) == before
+    assert not (tmp_path / "o.json").exists() and snapshot(tmp_path, skip=("cache",)) == before
 
 
 def test_a_well_formed_adapter_merges(tmp_path, cli, strict_json):

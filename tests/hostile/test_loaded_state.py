@@ -9,7 +9,6 @@ refuse it with the same line, exit 2, and nothing is written.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ import torch
 from flowgeom.continuity.checkpoint_out import save_llama_folder
 from flowgeom.errors import FlowgeomError
 from flowgeom.nn.llama import LlamaConfig, LlamaForCausalLM, check_state
+from tree_digest import snapshot  # noqa: E402  (tests/hostile is on sys.path)
 
 TINY = LlamaConfig(vocab_size=32, hidden_size=8, intermediate_size=12, num_hidden_layers=2, num_attention_heads=2,
                    num_key_value_heads=1, head_dim=4, max_position_embeddings=64)
@@ -28,11 +28,6 @@ LINE = ("tensor model.layers.1.mlp.down_proj.weight has shape [8, 16], the confi
 def _state(cfg: LlamaConfig) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     return LlamaForCausalLM(cfg).state_dict()
-
-
-def snapshot(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file() and "cache" not in p.relative_to(root).parts}
 
 
 @pytest.fixture
@@ -59,10 +54,11 @@ def wide_layer_1(tmp_path, monkeypatch) -> Path:
 ])
 def test_a_config_that_disagrees_with_a_later_layer_is_refused_alike(wide_layer_1, tmp_path, cli, monkeypatch, argv):
     monkeypatch.chdir(tmp_path)
-    before = snapshot(tmp_path)
+    before = snapshot(tmp_path, skip=("cache",))
     rc, out, err = cli(argv)
     assert rc == 2 and not out and err.strip() == f"flowgeom: error: {LINE}"
-    assert snapshot(tmp_path) == before and not (tmp_path / "o").exists() and not (tmp_path / "o.json").exists()
+    assert snapshot(tmp_path, skip=("cache",)) == before
+    assert not (tmp_path / "o").exists() and not (tmp_path / "o.json").exists()
 
 
 def test_check_state_names_missing_and_unexpected_tensors():

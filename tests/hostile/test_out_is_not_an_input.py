@@ -7,7 +7,6 @@ input is the input. Every case: one line, exit 2, every file byte-identical.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 
@@ -17,17 +16,13 @@ from safetensors.torch import save_file
 
 from flowgeom.errors import FlowgeomError
 from flowgeom.runs import check_out_file
+from tree_digest import snapshot  # noqa: E402  (tests/hostile is on sys.path)
 
 
 def _state() -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     return {f"model.layers.{i}.mlp.{r}_proj.weight": torch.randn(8, 8, generator=gen)
             for i in range(3) for r in ("up", "down", "gate")}
-
-
-def snapshot(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file() and not p.is_symlink()}
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ not followed either: the helper walks the folders by descriptor.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import signal
 from pathlib import Path
@@ -20,16 +19,12 @@ from safetensors.torch import save_file
 
 from flowgeom.errors import FlowgeomError
 from flowgeom.runs import RunFolder, atomic_write, atomic_write_bytes, atomic_write_json, open_append
+from tree_digest import snapshot  # noqa: E402  (tests/hostile is on sys.path)
 
 LINK = "flowgeom never writes through a link out of"
 TRAIN = ["continuity", "train", "mlp", "--variant", "Res+None", "--steps", "4", "--log-every", "1",
          "--set", "width=8", "--set", "depth=3", "--set", "train_limit=64", "--set", "test_limit=32",
          "--set", "ckpt_every=2"]
-
-
-def snapshot(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file() and not p.is_symlink()}
 
 
 @pytest.fixture

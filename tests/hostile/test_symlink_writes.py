@@ -11,7 +11,6 @@ Each case: refused by name, and the file or folder outside is byte-identical.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 from pathlib import Path
@@ -27,13 +26,9 @@ sys.path.insert(0, str(REPO / "tests" / "experiments"))
 import _sweep_fakes as fakes  # noqa: E402  (the fake claims of the sweep tests)
 
 from flowgeom.reproduce.sweep import plan, run_sweep  # noqa: E402
+from tree_digest import snapshot  # noqa: E402  (tests/hostile is on sys.path)
 
 SEEDS = (0, 1)
-
-
-def snapshot(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file() and not p.is_symlink()}
 
 
 def _sweep(out: Path, *, resume: bool) -> dict:
