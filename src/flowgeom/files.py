@@ -269,7 +269,7 @@ def check_out_file(path: str | os.PathLike, flag: str = "--out", *,
     _refuse_inputs(path, flag, inputs)
     if path.is_symlink():  # refused here, before the work, as atomic_write would refuse it after
         raise _link_error(flag, path, path, path.parent)
-    if flag.startswith("--") and path.is_file() and not path.is_symlink() and _is_checkpoint(path):
+    if flag.startswith("--") and path.is_file() and _is_checkpoint(path):  # (a link was refused above)
         raise FlowgeomError(f"{flag} {path} is an existing model checkpoint; {flag} writes a report and would "
                             f"replace the weights: choose another {flag}")
     for parent in path.parents:

@@ -190,7 +190,7 @@ def test_falcon_layouts(variant, tmp_path):
 def test_row_layouts_agree_with_the_family_table():
     """The naming's row ranges equal flowgeom.hf.families.fused_rows for every fused attention layout."""
     from flowgeom.continuity.layouts import NamingHints, qkv_rows
-    from flowgeom.hf.families import FUSED, family, fused_rows
+    from flowgeom.hf.families import family, fused_rows
     from flowgeom.hf.tiny import tiny_config
 
     cases = [("phi3", "self_attn.qkv_proj", "blocked", {}, KV), ("gpt_neox", "attention.query_key_value", "interleaved", {}, H),
@@ -200,7 +200,7 @@ def test_row_layouts_agree_with_the_family_table():
     for model_type, path, layout, over, kv in cases:
         config = tiny_config(model_type, **over)
         size = (H + 2 * kv) * HD
-        want = fused_rows(FUSED[model_type][path], config, family(model_type), size)
+        want = fused_rows(family(model_type).fused[path], config, family(model_type), size)
         hints = NamingHints(config=config.to_dict())
         for part in "qkv":
             got = torch.cat([torch.arange(a, b) for a, b in qkv_rows(layout, part, size, hints)])

@@ -122,8 +122,7 @@ def family_patterns(fam: Family) -> list[RolePattern]:
         return layer + r"(?P<expert>\d+)".join(parts) + (r"(?:\.weight)?$" if stack else r"\.weight$")
 
     def role_pats(role: str, block: str, path: str, *, stack: bool = False) -> list[RolePattern]:
-        name = f"{block}.{path}" if block else path
-        fused = next((lay for p, lay in fam.fused.items() if p.endswith(name)), None)
+        fused = fam.fused_layout(f"{block}.{path}" if block else path)
         r = rx(block, path, stack=stack)
         if fused is None:
             return [RolePattern(role, r, transpose, experts=stack)]

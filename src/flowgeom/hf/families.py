@@ -93,7 +93,9 @@ class Family:
     layers: str = ""                    # container of the numbered layers ("h", "layer"); "" = any prefix
     attention_path: str = ""            # the attention block's path inside a layer
     mlp_path: str = ""                  # the MLP block's path inside a layer
-    fused: Mapping[str, FusedLayout] = field(default_factory=dict)  # path inside a layer -> layout
+    # path inside a layer (no .weight/.bias) -> layout; Falcon's "falcon" arrangement is resolved from the config
+    # by fused_rows (multi-query: concat (H, 1, 1); new architecture: grouped; else per_head)
+    fused: Mapping[str, FusedLayout] = field(default_factory=dict)
     expert_files: Mapping[str, str] = field(default_factory=dict)   # part -> per-expert path on disk, {e} the index
     shared_weights: Mapping[str, str] = field(default_factory=dict)  # shared expert: part (gate up down router) -> path
     # laws
@@ -104,12 +106,9 @@ class Family:
     count_sizes: Mapping[str, Any] | None = None
     not_counted: str = ""
 
-    def fused_layout(self, path: str) -> FusedLayout:
-        """The layout of the fused weight whose path ends with ``path``."""
-        for p, layout in self.fused.items():
-            if p.endswith(path):
-                return layout
-        raise FlowgeomError(f"{self.model_type}: no fused layout for {path!r} in the family table")
+    def fused_layout(self, path: str) -> FusedLayout | None:
+        """The layout of the fused weight whose path (inside a layer) ends with ``path``; None if not fused."""
+        return next((layout for p, layout in self.fused.items() if p.endswith(path)), None)
 
 
 _QKVO = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}
@@ -214,10 +213,6 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     llama_like("olmoe", "Olmoe", mlp="moe", qk_norm="full", block_laws=False, expert_files=_PER_EXPERT,
                 tiny=dict(TINY_DECODER, num_experts=4, **_TOP2), count=dict(_COUNT_MOE, num_experts=3)),
 )}
-FUSED: dict[str, dict[str, FusedLayout]] = {mt: dict(f.fused) for mt, f in FAMILIES.items() if f.fused}
-"""model_type -> {path inside a decoder layer (without .weight/.bias): layout}. Falcon's
-``falcon`` arrangement is resolved by :func:`fused_rows` from the config (multi-query:
-concat (H, 1, 1); new architecture: grouped; else per_head)."""
 
 
 def family(model_type: str) -> Family:

@@ -204,7 +204,9 @@ def _attention_spec(module: nn.Module, name: str, fam: Family, config: Any, ctx:
     kv = torch.arange(G * hd).view(G, hd)
     if "qkv" in w:
         wname, bname, axis = _weight_bias(module, w["qkv"], ctx)
-        layout = next(iter(_fused_for(fam, w["qkv"])))
+        layout = fam.fused_layout(w["qkv"])
+        if layout is None:
+            return f"{fam.model_type}: the family table has no fused layout for {w['qkv']}"
         size = dict(ctx.model.named_parameters())[wname].shape[axis]
         rows = fused_rows(layout, config, fam, size)
         q = Proj(wname, rows["q"].view(H, hd), axis, bname)
@@ -230,11 +232,6 @@ def _attention_spec(module: nn.Module, name: str, fam: Family, config: Any, ctx:
 def _reorder(wba: tuple[str, str | None, int], rows: torch.Tensor) -> tuple[str, torch.Tensor, int, str | None]:
     wname, bname, axis = wba
     return wname, rows, axis, bname
-
-
-def _fused_for(fam: Family, path: str):
-    from flowgeom.hf.families import FUSED
-    return [lay for p, lay in FUSED.get(fam.model_type, {}).items() if p.endswith(path)]
 
 
 def _hf_attention(module: nn.Module, name: str, ctx: Context) -> Match | None:
@@ -272,9 +269,13 @@ def _hf_mlp(module: nn.Module, name: str, ctx: Context) -> Match | None:
         return Match(uncovered=(Uncovered(name, "gated MLP with biases: laws not verified"),))
     down = _weight_bias(module, w["down"], ctx)[0]
     if "gate_up" in w:
+        layout = fam.fused_layout(w["gate_up"])
+        if layout is None:
+            return Match(uncovered=(Uncovered(name, f"{fam.model_type}: the family table has no fused layout for "
+                                                    f"{w['gate_up']}"),))
         gu = _weight_bias(module, w["gate_up"], ctx)[0]
         size = dict(ctx.model.named_parameters())[gu].shape[0]
-        rows = fused_rows(next(iter(_fused_for(fam, w["gate_up"]))), config, fam, size)
+        rows = fused_rows(layout, config, fam, size)
         spec = GatedMLPSpec(name, gu, gu, down, rows["gate"], rows["up"])
     else:
         gate, up = _weight_bias(module, w["gate"], ctx)[0], _weight_bias(module, w["up"], ctx)[0]
