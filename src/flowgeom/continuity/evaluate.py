@@ -47,7 +47,7 @@ def compare_models(specs: Sequence[str], *, text: str = "kjv", config: EvalConfi
     from flowgeom.continuity.factored import load_model
     from flowgeom.continuity.share import source_path
     from flowgeom.data.text import load_text
-    from flowgeom.data.tokens import cached_ids, load_tokenizer
+    from flowgeom.data.tokens import load_tokenizer, token_ids
     from flowgeom.runs import atomic_write_json, check_out_file
 
     paths = [source_path(s) for s in specs]
@@ -55,7 +55,7 @@ def compare_models(specs: Sequence[str], *, text: str = "kjv", config: EvalConfi
         check_out_file(out, inputs=paths)
     tokenizer = load_tokenizer(paths[0])
     corpus = load_text(text, split="test") if text == "kjv" else load_text(text)
-    ids = torch.from_numpy(cached_ids(corpus, tokenizer).astype("int64"))
+    ids = token_ids(corpus, tokenizer)
     n = len(ids) if config.max_tokens is None else min(len(ids), config.max_tokens)
     windows(n, config.context, config.stride or config.context)  # text too short: refused before any model loads
     rows = []

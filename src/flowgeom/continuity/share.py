@@ -109,7 +109,7 @@ def calibration_ids(source: Path, calib: str, tokens: int, seq_len: int, tokeniz
     """(S, seq_len) calibration ids from ``calib`` (``kjv`` train split, or a UTF-8 file)."""
     from flowgeom.continuity.calibrate import sequences
     from flowgeom.data.text import load_text
-    from flowgeom.data.tokens import cached_ids
+    from flowgeom.data.tokens import token_ids
 
     if tokenizer is None:
         raise FlowgeomError(f"{source} has no tokenizer, so calibration text cannot be tokenised; copy the original "
@@ -123,7 +123,7 @@ def calibration_ids(source: Path, calib: str, tokens: int, seq_len: int, tokeniz
         text = load_text(str(path))
     if not text.strip():
         raise FlowgeomError(f"--calib {calib} holds no text; pass a UTF-8 text of at least --calib-tokens tokens")
-    ids = torch.from_numpy(cached_ids(text, tokenizer).astype("int64"))
+    ids = token_ids(text, tokenizer)
     return sequences(ids, tokens, seq_len)
 
 

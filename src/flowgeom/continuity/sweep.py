@@ -26,9 +26,9 @@ from flowgeom.errors import FlowgeomError
 
 def held_out_ids(tokenizer, tokens: int | None) -> torch.Tensor:
     from flowgeom.data.text import load_text
-    from flowgeom.data.tokens import cached_ids
+    from flowgeom.data.tokens import token_ids
 
-    ids = torch.from_numpy(cached_ids(load_text("kjv", split="test"), tokenizer).astype("int64"))
+    ids = token_ids(load_text("kjv", split="test"), tokenizer)
     return ids if tokens is None else ids[:tokens]
 
 

@@ -145,3 +145,11 @@ def cached_ids(text: str, tokenizer, *, cache: Path | None = None) -> np.ndarray
     except (OSError, FlowgeomError):
         pass  # a read-only cache only costs time
     return ids
+
+
+def token_ids(text: str, tokenizer, *, cache: Path | None = None):
+    """:func:`cached_ids` as a torch int64 tensor (N,), what the perplexity evaluation takes."""
+    import torch
+
+    return torch.from_numpy(cached_ids(text, tokenizer, cache=cache).astype("int64"))
+

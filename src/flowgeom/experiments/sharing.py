@@ -146,7 +146,7 @@ def run_sharing(config: Mapping[str, Any], folder, *, resume: bool = False) -> d
     from flowgeom.continuity.lm_eval import EvalConfig, perplexity
     from flowgeom.continuity.share import calibration_ids, compress_model, model_tokenizer, role_report, source_path
     from flowgeom.data.text import load_text
-    from flowgeom.data.tokens import cached_ids
+    from flowgeom.data.tokens import token_ids
     from flowgeom.nn.llama import llama_from_state, llama_state_dict
 
     strategy, budget = config["strategy"], float(config["budget"])
@@ -191,7 +191,7 @@ def run_sharing(config: Mapping[str, Any], folder, *, resume: bool = False) -> d
     t1 = time.perf_counter()
     model = llama_from_state(replace(cfg, num_hidden_layers=layers), new_state)
     text = load_text("kjv", split="test") if config["text"] == "kjv" else load_text(config["text"])
-    ids = torch.from_numpy(cached_ids(text, tokenizer).astype("int64"))
+    ids = token_ids(text, tokenizer)
     res = perplexity(model, ids, EvalConfig(context=int(config["context"]), max_tokens=config["tokens"]))
     folder.log({"step": 0, "compress_seconds": t1 - t0, "eval_seconds": res["seconds"]})
     return {"strategy": strategy, "budget": budget, "seed": config["seed"], "ppl": res["ppl"], "nll": res["nll"],
