@@ -344,3 +344,14 @@ def test_rslora_scale_matches_peft(tmp_path):
     assert [e["scale"] for e in disk["lora"]] == pytest.approx([8 / math.sqrt(4)] * len(disk["lora"]))
     assert disk["lora"][0]["scale"] == pytest.approx(pm.base_model.model.model.layers[0].self_attn.q_proj.scaling["default"])
     check(disk, "q", ("v",))
+
+
+def test_qwen2_moe_with_dense_layers_names_experts_and_dense_mlps(tmp_path):
+    """A real Qwen2-MoE with mlp_only_layers: sparse layers 0-1 give experts, dense layers 2-3 gate/up/down."""
+    model = tiny_model("qwen2_moe", seed=0, dtype=torch.float32, num_hidden_layers=4, mlp_only_layers=[2, 3])
+    folder, names = on_disk(model, tmp_path)
+    rep = report_of(folder)
+    assert rep["scheme"] == "qwen2_moe"
+    assert {"gate", "up", "down", "router", "expert0.down", "shared.up"} <= set(rep["roles"])
+    assert rep["roles"]["gate"]["tensors"] == [f"model.layers.{i}.mlp.gate_proj.weight" for i in (2, 3)]
+    accounted(rep, names)
