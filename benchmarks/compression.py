@@ -29,7 +29,7 @@ import torch  # noqa: E402
 RSS = """
 import resource, sys, torch
 torch.set_num_threads(1)
-from flowgeom.continuity.factored import load_model
+from flowgeom.compress.folder import load_model
 m = load_model(sys.argv[1])
 with torch.inference_mode():
     m(torch.zeros(1, 512, dtype=torch.long))
@@ -44,8 +44,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    from flowgeom.continuity.factored import dense_state, factored_llama, projection_bytes, read_factored
-    from flowgeom.continuity.share import ShareConfig, share_model
+    from flowgeom.compress.folder import dense_state, factored_llama, projection_bytes, read_factored
+    from flowgeom.compress.run import ShareConfig, share_model
     from flowgeom.nn.llama import llama_from_state
 
     tmp = Path(tempfile.mkdtemp(prefix="fg-bench-"))
@@ -96,7 +96,7 @@ def main() -> None:
           f"dense {med['dense']:.3f} s, ratio {med['factored'] / med['dense']:.3f} (projection flop ratio "
           f"{p.stored_params / p.dense_params:.3f}; the lm_head and attention are not compressed)")
     dense_dir = tmp / "dense"
-    from flowgeom.continuity.checkpoint_out import save_llama_folder
+    from flowgeom.compress.write import save_llama_folder
 
     dense_dir.mkdir()
     save_llama_folder(dense_dir, fact.config.to_hf(), shared.compressed.dense_state(shared.state))

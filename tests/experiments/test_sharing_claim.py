@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from flowgeom.cli import main
-from flowgeom.continuity import factorize as fz
-from flowgeom.continuity.checkpoint_out import save_llama_folder
-from flowgeom.continuity.compress import layer_groups
-from flowgeom.continuity.compression import SEED_SPACE, weight_key
+from flowgeom.compress import factorize as fz
+from flowgeom.compress.write import save_llama_folder
+from flowgeom.compress.blocks import layer_groups
+from flowgeom.compress.plan import SEED_SPACE, weight_key
 from flowgeom.errors import FlowgeomError
 from flowgeom.experiments import sharing
 from flowgeom.nn.llama import LlamaConfig, LlamaForCausalLM, llama_from_state

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from flowgeom.continuity.checkpoint_out import save_llama_folder
-from flowgeom.continuity.lm_eval import EvalConfig, perplexity
+from flowgeom.compress.write import save_llama_folder
+from flowgeom.compress.perplexity import EvalConfig, perplexity
 from flowgeom.errors import FlowgeomError
 from flowgeom.nn.llama import LlamaConfig, LlamaForCausalLM
 from tree_digest import snapshot  # noqa: E402  (tests/hostile is on sys.path)

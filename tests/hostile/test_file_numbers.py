@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from flowgeom.continuity.checkpoint_out import save_llama_folder
+from flowgeom.compress.write import save_llama_folder
 from flowgeom.errors import FlowgeomError
 from flowgeom.limits import LIMITS, file_float, file_int
 from flowgeom.nn.llama import LlamaConfig, llama_state_dict

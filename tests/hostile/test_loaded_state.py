@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowgeom.continuity.checkpoint_out import save_llama_folder
+from flowgeom.compress.write import save_llama_folder
 from flowgeom.errors import FlowgeomError
 from flowgeom.nn.llama import LlamaConfig, LlamaForCausalLM, check_state
 from tree_digest import snapshot  # noqa: E402  (tests/hostile is on sys.path)

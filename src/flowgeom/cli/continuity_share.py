@@ -2,7 +2,7 @@
 
 ``register_verbs(verbs)`` adds the verbs to the ``continuity`` area (see
 :mod:`flowgeom.cli.continuity`). The maths lives in
-:mod:`flowgeom.continuity.share` and :mod:`flowgeom.continuity.lm_eval`;
+:mod:`flowgeom.compress.run` and :mod:`flowgeom.compress.perplexity`;
 this module parses, validates, calls and prints. See docs/continuity-sharing.md.
 """
 
@@ -20,7 +20,7 @@ from flowgeom.errors import FlowgeomError
 
 ROLES = ("q", "k", "v", "o", "gate", "up", "down")
 METHODS = ("svd", "whiten", "basis-sharing", "share", "continuity", "drop-angular", "drop-bi")
-DEFAULT_CALIB_TOKENS = 16384  # flowgeom.continuity.calibrate.DEFAULT_TOKENS (kept here: --help imports no torch)
+DEFAULT_CALIB_TOKENS = 16384  # flowgeom.compress.calibrate.DEFAULT_TOKENS (kept here: --help imports no torch)
 BUDGET_TOL = 0.01  # an obtained saving further than this from --budget is shown loudly
 
 
@@ -34,7 +34,7 @@ def _budgets(text: str) -> tuple[float, ...]:
 
 
 def _share_config(args: argparse.Namespace):
-    from flowgeom.continuity.share import ShareConfig
+    from flowgeom.compress.run import ShareConfig
 
     budget = None if args.rank is not None or args.sweep else (0.2 if args.budget is None else args.budget)
     return ShareConfig(method=args.method, budget=budget if not args.sweep else args.sweep[0], rank=args.rank,
@@ -65,7 +65,7 @@ def _stage_progress(enabled: bool):
 def run_share(args: argparse.Namespace) -> int:
     from contextlib import nullcontext
 
-    from flowgeom.continuity.share import share_model
+    from flowgeom.compress.run import share_model
 
     if args.sweep and (args.rank is not None or args.budget is not None or args.dense):
         raise FlowgeomError("--sweep takes its budgets itself: drop --budget/--rank/--dense (or drop --sweep)")
@@ -73,7 +73,7 @@ def run_share(args: argparse.Namespace) -> int:
     bar, update = _stage_progress(not args.json)
     with bar if bar is not None else nullcontext():
         if args.sweep:
-            from flowgeom.continuity.sweep import sweep_budgets
+            from flowgeom.compress.sweep import sweep_budgets
 
             result = sweep_budgets(args.source, Path(args.out), config, args.sweep, force=args.force,
                                    eval_tokens=args.eval_tokens, progress=update)
@@ -151,8 +151,8 @@ def _print_sweep(result: dict) -> None:
 def run_evaluate(args: argparse.Namespace) -> int:
     from contextlib import nullcontext
 
-    from flowgeom.continuity.evaluate import compare_models
-    from flowgeom.continuity.lm_eval import QUICK_TOKENS, EvalConfig
+    from flowgeom.compress.evaluate import compare_models
+    from flowgeom.compress.perplexity import QUICK_TOKENS, EvalConfig
 
     max_tokens = args.tokens or (None if args.full else QUICK_TOKENS)
     config = EvalConfig(context=args.context, stride=args.stride, max_tokens=max_tokens, batch=args.batch)

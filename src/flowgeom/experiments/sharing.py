@@ -14,7 +14,7 @@ budget ``b`` = the fraction of the in-scope projection parameters saved
 * ``seed-space`` (a) / ``opposite-space`` (b) - whitened sharing of q, k,
   gate, up, o, down in the seed's space / the other one, V per layer;
 * ``continuity`` - flowgeom's: spaces, grouping and budget split from the
-  measured continuity (:mod:`flowgeom.continuity.compression`);
+  measured continuity (:mod:`flowgeom.compress.plan`);
 * ``role-input`` / ``role-output`` - one role at a time (config key ``role``),
   whitened sharing in that space, the other six untouched;
 * ``prune-bi`` (ShortGPT's Block Influence), ``prune-angular`` (Gromov et
@@ -26,7 +26,7 @@ budget ``b`` = the fraction of the in-scope projection parameters saved
 
 All calibrated methods read the same Grams (16,384 KJV train tokens, cached on
 disk: one calibration serves the whole grid); perplexity is scored on the
-held-out KJV split (:mod:`flowgeom.continuity.lm_eval`). ``sequential`` (a
+held-out KJV split (:mod:`flowgeom.compress.perplexity`). ``sequential`` (a
 config key) calibrates each group on the already-compressed blocks before it.
 """
 
@@ -41,8 +41,8 @@ from typing import Any
 
 import torch
 
-from flowgeom.continuity.compress import angular_drop, bi_drop, drop_count
-from flowgeom.continuity.compression import HF_NAMES, ROLES, SEED_SPACE, weight_key
+from flowgeom.compress.blocks import angular_drop, bi_drop, drop_count
+from flowgeom.compress.plan import HF_NAMES, ROLES, SEED_SPACE, weight_key
 from flowgeom.errors import FlowgeomError, choice_error
 from flowgeom.experiments.presets import preset as resolve
 from flowgeom.experiments.presets import scales
@@ -101,7 +101,7 @@ def sharing_grid(preset: str = "quick", *, source: str = "builtin:smollm2", text
 def continuity_drop(state: Mapping[str, torch.Tensor], n_layers: int, n: int) -> list[int]:
     """The n most redundant blocks by the analyzer's adjacent-layer continuity (ends protected)."""
     from flowgeom.continuity import AnalyzeConfig, analyze
-    from flowgeom.continuity.compress import continuity_scores, drop_order
+    from flowgeom.compress.blocks import continuity_scores, drop_order
 
     six = tuple(SEED_SPACE)
     sub = {weight_key(l, r): state[weight_key(l, r)] for r in six for l in range(n_layers)}
@@ -110,7 +110,7 @@ def continuity_drop(state: Mapping[str, torch.Tensor], n_layers: int, n: int) ->
 
 
 def random_drop(n_layers: int, n: int, seed: int) -> list[int]:
-    from flowgeom.continuity.compress import random_drop_order
+    from flowgeom.compress.blocks import random_drop_order
 
     return sorted(random_drop_order(n_layers, seed=seed, protect=(0, n_layers - 1))[:n])
 
@@ -118,7 +118,7 @@ def random_drop(n_layers: int, n: int, seed: int) -> list[int]:
 # ---------------------------------------------------------------- one run
 
 def _share_config(config: Mapping[str, Any]):
-    from flowgeom.continuity.share import ShareConfig
+    from flowgeom.compress.run import ShareConfig
 
     strategy = config["strategy"]
     if strategy in ROLE_STRATEGIES:
@@ -141,10 +141,10 @@ def run_sharing(config: Mapping[str, Any], folder, *, resume: bool = False) -> d
     """
     import time
 
-    from flowgeom.continuity.calibrate import cached_calibration
-    from flowgeom.continuity.compress import block_params, drop_layers
-    from flowgeom.continuity.lm_eval import EvalConfig, perplexity
-    from flowgeom.continuity.share import calibration_ids, compress_model, model_tokenizer, role_report, source_path
+    from flowgeom.compress.calibrate import cached_calibration
+    from flowgeom.compress.blocks import block_params, drop_layers
+    from flowgeom.compress.perplexity import EvalConfig, perplexity
+    from flowgeom.compress.run import calibration_ids, compress_model, model_tokenizer, role_report, source_path
     from flowgeom.data.text import load_text
     from flowgeom.data.tokens import token_ids
     from flowgeom.nn.llama import llama_from_state, llama_state_dict

@@ -28,7 +28,7 @@ Parameter names (``(out, in)`` like ``nn.Linear``)::
 Loading: :func:`load_llama` takes a GGUF (``builtin:smollm2`` included) or an
 HF-layout folder (``config.json`` + safetensors, what ``continuity share``
 writes). The forward is checked against ``transformers.LlamaForCausalLM``
-(tests/continuity/test_share_evaluate.py).
+(tests/compress/test_share_evaluate.py).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ minimises the whitened loss ``||(W - W') X||_F^2 = tr((W - W') G (W - W')^T)``.
 ``G = S S^T``) the loss is ``||(W - W') S||_F^2``; truncating the SVD
 ``W S = U Σ V^T`` to rank k and mapping back, ``W' = U_k Σ_k (V_k^T S^{-1})``,
 is optimal (Eckart-Young on ``W S``) and its loss is the sum of the
-discarded ``σ_i^2`` (tests/continuity/test_factorize.py checks both). A Gram
+discarded ``σ_i^2`` (tests/compress/test_factorize.py checks both). A Gram
 that is not numerically positive definite is shifted by
 ``(-λ_min + 1e-6) I`` before the Cholesky factorisation, as SVD-LLM's code
 does; :func:`whitener` reports the shift.

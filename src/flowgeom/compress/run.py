@@ -9,10 +9,10 @@ written and the source is never touched on any error):
 2. calibration ids: ``calib`` (``kjv``: the train split of the shipped KJV;
    else a UTF-8 file) tokenised by the model's tokenizer, the first
    ``calib_tokens`` in ``seq_len`` sequences;
-3. Grams (:mod:`flowgeom.continuity.calibrate`; cached on disk), the plan of
-   the method (:mod:`flowgeom.continuity.compression`), the factors (sequential
+3. Grams (:mod:`flowgeom.compress.calibrate`; cached on disk), the plan of
+   the method (:mod:`flowgeom.compress.plan`), the factors (sequential
    when asked);
-4. a factored folder (:mod:`flowgeom.continuity.factored`) or, with ``dense``,
+4. a factored folder (:mod:`flowgeom.compress.folder`) or, with ``dense``,
    plain Llama weights.
 """
 
@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from flowgeom.continuity import compression as C
-from flowgeom.continuity.calibrate import DEFAULT_TOKENS
-from flowgeom.continuity.compress import opposite
+from flowgeom.compress import plan as C
+from flowgeom.compress.calibrate import DEFAULT_TOKENS
+from flowgeom.compress.blocks import opposite
 from flowgeom.errors import FlowgeomError, choice_error, positive_int
 
 SPACE_CHOICES = ("auto", "seed", "opposite", "input", "output")
@@ -107,7 +107,7 @@ def resolve_spaces(space: str | None, roles: Sequence[str], evidence: Mapping[st
 
 def calibration_ids(source: Path, calib: str, tokens: int, seq_len: int, tokenizer) -> torch.Tensor:
     """(S, seq_len) calibration ids from ``calib`` (``kjv`` train split, or a UTF-8 file)."""
-    from flowgeom.continuity.calibrate import sequences
+    from flowgeom.compress.calibrate import sequences
     from flowgeom.data.text import load_text
     from flowgeom.data.tokens import token_ids
 
@@ -152,7 +152,7 @@ class Shared:
 def compress_model(config: ShareConfig, cfg, state, source: Path, tokenizer, *, progress: Progress | None = None,
                    calib_cache: dict | None = None) -> tuple[C.Compressed, dict[str, Any]]:
     """Plan + factors of one budget (the calibration shared through ``calib_cache`` across a sweep)."""
-    from flowgeom.continuity.calibrate import cached_calibration, calibrate, check_rank
+    from flowgeom.compress.calibrate import cached_calibration, calibrate, check_rank
     from flowgeom.nn.llama import llama_from_state
 
     L = cfg.num_hidden_layers
@@ -212,8 +212,8 @@ def drop_blocks(config: ShareConfig, cfg, state, source: Path, tokenizer, *, pro
     save ``config.budget`` of the in-scope projection parameters (the calibration pass gives BI and angles)."""
     from dataclasses import replace as replace_
 
-    from flowgeom.continuity.calibrate import cached_calibration
-    from flowgeom.continuity.compress import angular_drop, bi_drop, block_params, drop_count, drop_layers
+    from flowgeom.compress.calibrate import cached_calibration
+    from flowgeom.compress.blocks import angular_drop, bi_drop, block_params, drop_count, drop_layers
     from flowgeom.nn.llama import llama_from_state
 
     cache = calib_cache if calib_cache is not None else {}
@@ -257,8 +257,8 @@ def role_report(compressed: C.Compressed, state: Mapping[str, torch.Tensor],
 def share_model(source: str, out: Path, config: ShareConfig, *, force: bool = False,
                 progress: Progress | None = None) -> Shared:
     """Compress ``source`` into the folder ``out`` (module docstring); returns the factors and the report."""
-    from flowgeom.continuity.checkpoint_out import check_out_folder, save_llama_folder, write_folder
-    from flowgeom.continuity.factored import save_factored
+    from flowgeom.compress.write import check_out_folder, save_llama_folder, write_folder
+    from flowgeom.compress.folder import save_factored
     from flowgeom.nn.llama import check_state, llama_state_dict
 
     t0 = time.perf_counter()
@@ -292,7 +292,7 @@ def share_model(source: str, out: Path, config: ShareConfig, *, force: bool = Fa
 
 
 def _share_by_dropping(source, out, config, cfg, state, path, tokenizer, *, force, progress, t0) -> Shared:
-    from flowgeom.continuity.checkpoint_out import save_llama_folder, write_folder
+    from flowgeom.compress.write import save_llama_folder, write_folder
 
     new_cfg, new_state, facts = drop_blocks(config, cfg, state, path, tokenizer, progress=progress)
     total = sum(t.numel() for k, t in state.items() if k != "lm_head.weight" or not cfg.tie_word_embeddings)

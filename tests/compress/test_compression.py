@@ -10,11 +10,11 @@ import pytest
 import torch
 from test_share_evaluate import _byte_tokenizer, _run, _state, hf_tiny
 
-from flowgeom.continuity import compression as C
-from flowgeom.continuity import factorize as fz
-from flowgeom.continuity.calibrate import GRAM_KEYS, cached_calibration, calibrate, sequences
-from flowgeom.continuity.checkpoint_out import save_llama_folder
-from flowgeom.continuity.factored import factored_hf_llama, factored_llama, projection_bytes, read_factored
+from flowgeom.compress import plan as C
+from flowgeom.compress import factorize as fz
+from flowgeom.compress.calibrate import GRAM_KEYS, cached_calibration, calibrate, sequences
+from flowgeom.compress.write import save_llama_folder
+from flowgeom.compress.folder import factored_hf_llama, factored_llama, projection_bytes, read_factored
 from flowgeom.errors import FlowgeomError
 from flowgeom.nn.llama import LlamaConfig, llama_from_state, llama_state_dict
 
@@ -121,7 +121,7 @@ def test_every_method_meets_the_budget_and_writes_a_loadable_factored_folder(tin
     assert factored <= (0.75 + 0.01) * (dense + kept)
     # the factored model's logits equal the dense reconstruction's, in flowgeom's Llama and in transformers
     cfg, units, tensors = read_factored(out)
-    from flowgeom.continuity.factored import dense_state
+    from flowgeom.compress.folder import dense_state
 
     ref = llama_from_state(cfg, dense_state(units, tensors))
     ids = torch.tensor([[5, 9, 200, 17, 3, 44, 101]])
@@ -295,7 +295,7 @@ def test_share_calibration_text_problems(tiny, tmp_path, capsys):
 
 
 def test_too_few_calibration_tokens_for_the_widest_input_names_the_count(tiny):
-    from flowgeom.continuity.calibrate import check_rank
+    from flowgeom.compress.calibrate import check_rank
     with pytest.raises(FlowgeomError, match=r"at least 1,536 are needed"):
         check_rank({"attn": 576, "o": 576, "mlp": 576, "down": 1536}, 1024)
 
@@ -362,7 +362,7 @@ def test_sequences_cut_whole_rows():
 
 
 def test_float16_storage_halves_the_projection_bytes_and_loads_as_its_own_reconstruction(tiny, tmp_path, capsys):
-    from flowgeom.continuity.factored import dense_state
+    from flowgeom.compress.folder import dense_state
 
     for dtype in ("float32", "float16"):
         code, _, err = _share(capsys, tiny, tmp_path / dtype, "--method", "basis-sharing", "--budget", "0.3",
@@ -384,8 +384,8 @@ def test_float16_storage_halves_the_projection_bytes_and_loads_as_its_own_recons
 
 @pytest.mark.parametrize("method", ["drop-angular", "drop-bi"])
 def test_dropping_blocks_writes_a_shorter_llama_that_evaluates(tiny, tmp_path, capsys, method):
-    from flowgeom.continuity.calibrate import calibrate as calib_of
-    from flowgeom.continuity.compress import angular_drop, bi_drop
+    from flowgeom.compress.calibrate import calibrate as calib_of
+    from flowgeom.compress.blocks import angular_drop, bi_drop
 
     out = tmp_path / method
     code, stdout, err = _share(capsys, tiny, out, "--method", method, "--budget", "0.3", "--json")

@@ -5,9 +5,9 @@ a group of g adjacent layers can share one rank-r basis in the space where the
 role is continuous (:data:`SEED_SPACE`; Q, K, Gate, Up: input space; O, Down:
 output space). The factorisations themselves (data-free or calibrated shared
 bases, per-layer SVD, their parameter counts and rank rules) live in
-:mod:`flowgeom.continuity.factorize`; plans over a model in
-:mod:`flowgeom.continuity.compression`; the end-to-end call in
-:mod:`flowgeom.continuity.share`.
+:mod:`flowgeom.compress.factorize`; plans over a model in
+:mod:`flowgeom.compress.plan`; the end-to-end call in
+:mod:`flowgeom.compress.run`.
 
 **Layer dropping.** Dropping a layer saves every parameter of the block (its
 seven projections and two norms); the blocks to drop are ranked by continuity
@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from flowgeom.continuity.factorize import SPACES
+from flowgeom.compress.factorize import SPACES
 from flowgeom.errors import FlowgeomError, choice_error
 
 # Where seed 001 says each role is continuous (V: no clear opportunity, so no entry).

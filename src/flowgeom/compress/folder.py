@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flowgeom.continuity.compression import HF_NAMES, Compressed, weight_key
+from flowgeom.compress.plan import HF_NAMES, Compressed, weight_key
 from flowgeom.errors import FlowgeomError
 from flowgeom.nn.llama import refuse_integer_codes
 
@@ -104,7 +104,7 @@ def factored_tensors(compressed: Compressed, state: Mapping[str, torch.Tensor], 
 def save_factored(folder: Path, config_json: dict, compressed: Compressed, state: Mapping[str, torch.Tensor], *,
                   tokenizer=None, report: dict | None = None, dtype: torch.dtype = torch.float32) -> None:
     """Write the factored folder (module docstring) into ``folder``, tensors in ``dtype``."""
-    from flowgeom.continuity.checkpoint_out import write_model_files
+    from flowgeom.compress.write import write_model_files
 
     tensors, meta = factored_tensors(compressed, state, tie=bool(config_json.get("tie_word_embeddings")),
                                      dtype=dtype)

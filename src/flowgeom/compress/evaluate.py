@@ -2,7 +2,7 @@
 
 :func:`compare_models` loads each model from disk in turn (a dense folder, a
 factored folder written by ``continuity share``, a GGUF or ``builtin:`` name),
-scores it on the same token ids with :func:`flowgeom.continuity.lm_eval.perplexity`
+scores it on the same token ids with :func:`flowgeom.compress.perplexity.perplexity`
 and reports its parameters and bytes on disk next to its perplexity ratio to
 the first model. The CLI (``flowgeom continuity evaluate``) only parses and prints.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from flowgeom.continuity.lm_eval import EvalConfig, perplexity, windows
+from flowgeom.compress.perplexity import EvalConfig, perplexity, windows
 from flowgeom.errors import FlowgeomError
 
 Progress = Callable[[str, int, int], None]  # (model, windows done, windows in all)
@@ -44,8 +44,8 @@ def compare_models(specs: Sequence[str], *, text: str = "kjv", config: EvalConfi
     text's length are checked before any model is loaded. The tokenizer is the
     first model's; a model with fewer token embeddings than it has tokens is refused.
     """
-    from flowgeom.continuity.factored import load_model
-    from flowgeom.continuity.share import source_path
+    from flowgeom.compress.folder import load_model
+    from flowgeom.compress.run import source_path
     from flowgeom.data.text import load_text
     from flowgeom.data.tokens import load_tokenizer, token_ids
     from flowgeom.runs import atomic_write_json, check_out_file

@@ -1,10 +1,10 @@
 """``share --sweep``: held-out perplexity against parameters saved, one point per budget, to pick a safe budget.
 
 One calibration serves every budget. Each point compresses the model with
-the method and options of :class:`~flowgeom.continuity.share.ShareConfig`,
+the method and options of :class:`~flowgeom.compress.run.ShareConfig`,
 builds the factored model in memory and scores the first ``eval_tokens``
 tokens of the held-out KJV split (context 512,
-:func:`flowgeom.continuity.lm_eval.perplexity`). The folder gets
+:func:`flowgeom.compress.perplexity.perplexity`). The folder gets
 ``sweep.json`` (the curve) and ``sweep.png`` (its figure), atomically.
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from flowgeom.continuity.share import (
+from flowgeom.compress.run import (
     DROP_METHODS, Progress, ShareConfig, check_weights, compress_model, drop_blocks, model_tokenizer, source_path,
 )
 from flowgeom.errors import FlowgeomError
@@ -34,8 +34,8 @@ def held_out_ids(tokenizer, tokens: int | None) -> torch.Tensor:
 
 def sweep_budgets(source: str, out: Path, config: ShareConfig, budgets: Sequence[float], *, force: bool = False,
                   eval_tokens: int = 4096, context: int = 512, progress: Progress | None = None) -> dict[str, Any]:
-    from flowgeom.continuity.checkpoint_out import check_out_folder, write_folder
-    from flowgeom.continuity.lm_eval import EvalConfig, perplexity
+    from flowgeom.compress.write import check_out_folder, write_folder
+    from flowgeom.compress.perplexity import EvalConfig, perplexity
     from flowgeom.nn.llama import llama_from_state, llama_state_dict
     from flowgeom.runs import atomic_write_json
 

@@ -2,7 +2,7 @@
 
 A *unit* is one role (q, k, v, o, gate, up, down) over a group of consecutive
 layers, stored as one basis and one coefficient matrix per layer
-(:class:`~flowgeom.continuity.factorize.Factors`). A method decides the units
+(:class:`~flowgeom.compress.factorize.Factors`). A method decides the units
 and their ranks (:func:`plan`); :func:`compress` factorises them with the
 calibration Grams, optionally sequentially (each group re-calibrated on the
 already-compressed earlier blocks) and with Basis Sharing's least-squares refit.
@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flowgeom.continuity import factorize as fz
-from flowgeom.continuity.calibrate import ROLE_GRAM, Calibration
-from flowgeom.continuity.compress import HF_NAMES, ROLES, SEED_SPACE, layer_groups
+from flowgeom.compress import factorize as fz
+from flowgeom.compress.calibrate import ROLE_GRAM, Calibration
+from flowgeom.compress.blocks import HF_NAMES, ROLES, SEED_SPACE, layer_groups
 from flowgeom.errors import FlowgeomError, choice_error
 
 METHODS = ("svd", "whiten", "basis-sharing", "share", "continuity")
@@ -311,7 +311,7 @@ def compress_sequential(plan_: Plan, model, ids: torch.Tensor, *, refit: bool = 
     """Factorise ``plan_`` group by group, each group's Grams measured on the outputs of the already-compressed
     blocks before it (SVD-LLM's and Basis Sharing's sequential calibration). ``model`` (a flowgeom Llama) is
     modified in place: its projections become the dense reconstructions."""
-    from flowgeom.continuity.calibrate import calibrate
+    from flowgeom.compress.calibrate import calibrate
 
     n_layers = model.config.num_hidden_layers
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}

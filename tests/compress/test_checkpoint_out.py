@@ -13,12 +13,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flowgeom.continuity.checkpoint_out import sweep_dead_writers, write_folder
+from flowgeom.compress.write import sweep_dead_writers, write_folder
 
 _WRITER = """
 import sys, time
 from pathlib import Path
-from flowgeom.continuity.checkpoint_out import write_folder
+from flowgeom.compress.write import write_folder
 
 def fill(tmp):
     (tmp / "model.safetensors").write_bytes(b"x" * 4096)
@@ -92,7 +92,7 @@ def test_streamed_safetensors_are_byte_for_byte_safetensors_own(spec):
 
     from safetensors.torch import load, save
 
-    from flowgeom.continuity.checkpoint_out import stream_safetensors
+    from flowgeom.compress.write import stream_safetensors
 
     g = torch.Generator().manual_seed(len(spec))
     tensors = {k: (torch.randn(shape, generator=g, dtype=torch.float64) * 50).to(dtype) for k, (dtype, shape) in spec.items()}

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flowgeom.continuity import factorize as fz
+from flowgeom.compress import factorize as fz
 from flowgeom.errors import FlowgeomError
 
 

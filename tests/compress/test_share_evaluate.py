@@ -5,19 +5,23 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from synthetic_checkpoints import write_gguf
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "continuity"))  # the synthetic checkpoint writers
+from synthetic_checkpoints import write_gguf  # noqa: E402
 
 from flowgeom.cli import main
-from flowgeom.continuity import compress
-from flowgeom.continuity.checkpoint_out import save_llama_folder
-from flowgeom.continuity.lm_eval import EvalConfig, perplexity, windows
+from flowgeom.compress import blocks as compress
+from flowgeom.compress.write import save_llama_folder
+from flowgeom.compress.perplexity import EvalConfig, perplexity, windows
 from flowgeom.errors import FlowgeomError
 from flowgeom.nn.llama import LlamaConfig, LlamaForCausalLM, llama_from_state, llama_state_dict
 
@@ -492,7 +496,7 @@ def test_share_auto_space_follows_the_analyzer(tiny_folder, tmp_path, capsys):
 
 
 def test_share_budget_picks_the_largest_rank_that_saves_it(tiny_folder, tmp_path, capsys):
-    from flowgeom.continuity.factorize import stored_per_rank
+    from flowgeom.compress.factorize import stored_per_rank
 
     code, stdout, err = _run(capsys, "continuity", "share", *_opts(tiny_folder), str(tiny_folder), "--out", str(tmp_path / "b"), "--roles",
                              "q,gate,down", "--group", "2", "--budget", "0.3", "--space", "input", "--json")
