@@ -16,24 +16,19 @@ the target and the fix.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import inspect
 import math
 import operator
-import os
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from flowgeom.errors import FlowgeomError
-from flowgeom.files import regular_file
 from flowgeom.laws.fields import Sampler, generator, module_sampler, shape_sampler
+from flowgeom.usercode import attribute, call_factory
 
 
 @dataclass
@@ -76,43 +71,6 @@ def parse_shape(text: str | Sequence[int]) -> tuple[int, ...]:
     return shape
 
 
-def _load_module(spec: str) -> Any:
-    """Import ``path/to/file.py`` or ``package.module``; FlowgeomError on failure."""
-    if spec.endswith(".py") or "/" in spec or "\\" in spec:
-        path = Path(spec)
-        if not os.path.lexists(path):
-            raise FlowgeomError(f"no such file {spec!r}; give path/to/file.py:NAME")
-        regular_file(path, "target file", fix="give path/to/file.py:NAME")  # a FIFO would block the import
-        name = f"_flowgeom_target_{abs(hash(str(path.resolve())))}"
-        loader = importlib.util.spec_from_file_location(name, path)
-        mod = importlib.util.module_from_spec(loader)
-        sys.modules[name] = mod
-        try:
-            loader.loader.exec_module(mod)
-        except KeyboardInterrupt:
-            raise
-        except BaseException as exc:  # noqa: BLE001 - SystemExit at import must not end the CLI in silence
-            sys.modules.pop(name, None)
-            raise FlowgeomError(f"could not import {spec!r}: {_describe(exc)}; "
-                                "the file must define the module without exiting or raising") from None
-        return mod
-    try:
-        return importlib.import_module(spec)
-    except KeyboardInterrupt:
-        raise
-    except BaseException as exc:  # noqa: BLE001 - as above
-        raise FlowgeomError(f"could not import module {spec!r}: {_describe(exc)}; "
-                            "check the name or give path/to/file.py:NAME") from None
-
-
-def _describe(exc: BaseException) -> str:
-    """``Type: first line`` of an exception; ``SystemExit(7)`` reads as a call to sys.exit(7)."""
-    if isinstance(exc, SystemExit):
-        return f"it called sys.exit({exc.code!r})"
-    msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return f"{type(exc).__name__}: {msg}" if msg else type(exc).__name__
-
-
 def _candidates(mod: Any) -> list[str]:
     return sorted(n for n, v in vars(mod).items()
                   if not n.startswith("_") and (inspect.isclass(v) and issubclass(v, nn.Module) and v.__module__ == mod.__name__
@@ -124,15 +82,7 @@ def _instantiate(obj: Any, where: str) -> nn.Module:
         return obj
     if not callable(obj):
         raise FlowgeomError(f"{where} is a {type(obj).__name__}, not an nn.Module class or factory")
-    try:
-        module = obj()
-    except TypeError as exc:
-        raise FlowgeomError(f"{where} cannot be built without arguments ({exc}); "
-                            "wrap it in a zero-argument factory function") from None
-    except KeyboardInterrupt:
-        raise
-    except BaseException as exc:  # noqa: BLE001 - a constructor may call sys.exit too
-        raise FlowgeomError(f"building {where} failed: {_describe(exc)}") from None
+    module = call_factory(obj, where)
     if not isinstance(module, nn.Module):
         raise FlowgeomError(f"{where}() returned a {type(module).__name__}, not an nn.Module")
     return module
@@ -213,16 +163,10 @@ def resolve(target: str, *, size_options: dict[str, Any] | None = None, input_sh
         if size_options:
             flags = ", ".join("--" + k.replace("_", "-") for k in size_options)
             raise FlowgeomError(f"{flags} only apply to zoo architectures, not to {target!r}; drop them")
-        spec, _, name = target.rpartition(":")
-        if not spec or not name:
-            raise FlowgeomError(f"malformed target {target!r}; expected path/to/file.py:NAME or package.module:NAME")
-        mod = _load_module(spec)
-        if not hasattr(mod, name):
-            options = ", ".join(_candidates(mod)) or "(none)"
-            raise FlowgeomError(f"{spec!r} has no attribute {name!r}; candidates: {options}")
+        found = attribute(target, candidates=_candidates)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            module = _instantiate(getattr(mod, name), f"{target}")
+            module = _instantiate(found, f"{target}")
         label = target
     if callable(getattr(module, "sample_input", None)):
         sampler = module_sampler(module)
