@@ -132,6 +132,11 @@ def test_every_method_meets_the_budget_and_writes_a_loadable_factored_folder(tin
         exact = llama_from_state(cfg, dense_state(units, tensors, dtype=torch.float64), dtype=torch.float64)(ids)
         # llama_from_state holds float32 weights before casting: the reference is the reconstruction to float32
         assert (factored_llama(out, dtype=torch.float64)(ids) - exact).abs().max() < 1e-6
+    for u in units:  # stored balanced (factorize.balance): per rank, basis and stacked coefficients of equal norm
+        basis, coeffs = tensors[u.basis].double(), torch.stack([tensors[c].double() for c in u.coeffs])
+        b_norm = basis.norm(dim=1) if u.space == "input" else basis.norm(dim=0)
+        c_norm = coeffs.pow(2).sum(dim=(0, 1) if u.space == "input" else (0, 2)).sqrt()
+        assert torch.allclose(b_norm, c_norm, rtol=1e-4), (u.role, u.layers)
     shared = [u for u in units if len(u.layers) > 1]
     if method == "basis-sharing":
         assert {u.role for u in shared} == {"q", "k", "v", "gate", "up"}

@@ -31,6 +31,22 @@ least squares against *its own* Gram (in the sequential variant: the Gram of
 the compressed model's own activations), ``C_l = W_l G_l B^T (B G_l B^T)^{-1}``,
 Basis Sharing's optional refit step.
 
+**Balance.** ``W = C B`` is unchanged by ``C -> C D^{-1}``, ``B -> D B`` for any
+positive diagonal D, so the split of scale between the factors is a free choice,
+and the truncations above make a bad one: ``B = V_k^T S^{-1}`` carries the inverse
+whitening (rms ~1e-3 on SmolLM2) and ``C = U_k Σ_k`` the singular values (rms ~10).
+Adam moves every entry by about its learning rate, so one step changes the basis
+by ~100% of its size and the coefficients by ~0.001%: training such factors
+diverges at once. :func:`balance` picks ``D`` so that, per rank i, the column of
+the *stacked* coefficients (all layers of the group) and the row of the basis
+have equal norms, ``||C_stack[:, i]|| = ||B[i, :]||``. This is the diagonal of the
+conservation law of the linear chain ``y = C B x`` (seed 000; the catalogue's
+``linear`` law): gradient flow conserves ``C^T C - B B^T``, so a start whose
+diagonal is zero keeps it zero and neither factor grows at the other's expense.
+(The exact split ``U sqrt(Σ)`` / ``sqrt(Σ) V^T S^{-1}`` also zeroes the diagonal
+in whitened coordinates, but not in the coordinates the weights live in, and it
+has no shared-basis analogue; the diagonal rescale is one rule for both.)
+
 A factorisation is a :class:`Factors` (one basis, one coefficient matrix per
 layer of the group, in float64 here; callers cast).
 """
@@ -190,6 +206,28 @@ def whitened_loss(mats: torch.Tensor, approx: torch.Tensor, grams: torch.Tensor)
     """``tr((W_l - W'_l) G_l (W_l - W'_l)^T)`` per layer, (g,)."""
     d = (mats - approx).double()
     return torch.einsum("gmi,gij,gmj->g", d, grams.double(), d)
+
+
+def balance(factors: Factors) -> Factors:
+    """The same products with, per rank i, ``||C_stack[:, i]|| = ||B[i, :]||`` (module docstring, "Balance").
+
+    Input space: basis B (k, n), coefficients C_l (m, k), stacked over the group to (g m, k); output space:
+    basis (m, k) and coefficients (k, n), stacked to (k, g n). A rank whose basis or coefficients are all zero
+    is left as it is (nothing to balance)."""
+    B = factors.basis
+    if factors.space == "input":
+        basis_norm = B.norm(dim=1)  # (k,)
+        coeff_norm = torch.stack(factors.coeffs).pow(2).sum(dim=(0, 1)).sqrt()  # (k,) over (g, m)
+    else:
+        basis_norm = B.norm(dim=0)  # (k,)
+        coeff_norm = torch.stack(factors.coeffs).pow(2).sum(dim=(0, 2)).sqrt()  # (k,) over (g, n)
+    ok = (basis_norm > 0) & (coeff_norm > 0)
+    d = torch.where(ok, (coeff_norm / torch.where(ok, basis_norm, 1)).sqrt(), 1)  # (k,) basis scale
+    if factors.space == "input":
+        basis, coeffs = B * d[:, None], tuple(c / d for c in factors.coeffs)
+    else:
+        basis, coeffs = B * d, tuple(c / d[:, None] for c in factors.coeffs)
+    return Factors(factors.space, basis, coeffs, factors.sigma, factors.shift)
 
 
 # ---------------------------------------------------------------- ranks and budgets

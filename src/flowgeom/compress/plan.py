@@ -273,6 +273,8 @@ def _unit_factors(unit: Unit, state: Mapping[str, torch.Tensor], grams: torch.Te
 
 
 def _as_float(f: fz.Factors) -> fz.Factors:
+    """The factors as stored: balanced (trainable, :func:`~flowgeom.compress.factorize.balance`), float32."""
+    f = fz.balance(f)
     return fz.Factors(f.space, f.basis.float().contiguous(), tuple(c.float().contiguous() for c in f.coeffs),
                       f.sigma.float(), f.shift)
 
