@@ -25,7 +25,7 @@ from flowgeom.cli._common import OneLineParser, threads_for
 from flowgeom.errors import FlowgeomError
 
 # (module, area) in the order `flowgeom --help` lists them.
-AREAS = ("laws", "conserve", "continuity", "langevin", "reproduce", "demo")
+AREAS = ("laws", "conserve", "continuity", "compress", "langevin", "reproduce", "demo")
 
 
 def build_parser(areas: Sequence[str] = AREAS) -> argparse.ArgumentParser:

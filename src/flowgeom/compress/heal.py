@@ -1,0 +1,494 @@
+"""Healing: distil the dense model's logits into a compressed one.
+
+A compressed folder (factored, or a Llama with dropped blocks) is the
+*student*; the dense model it came from (``flowgeom_share.json``'s ``source``,
+or ``teacher``) is the *teacher*. On healing text (the KJV train split by
+default, never the held-out split it is judged on) each step minimises the
+per-token distillation loss
+
+    KL(p_T || p_S) = sum_v p_T(v) (log p_T(v) - log p_S(v)),   averaged over the batch's tokens,
+
+over the student's trainable tensors: the bases and coefficients of a factored
+folder (they are stored balanced, :func:`flowgeom.compress.factorize.balance`,
+so one optimiser step moves both by comparable relative amounts), or every
+projection of a dropped model's remaining blocks; ``norms`` adds the RMSNorm
+gains. Logit distillation instead of the LM loss follows Minitron (Muralidharan
+et al. 2024) and LiLlama (2024): the teacher's full distribution carries far
+more signal per token than the one observed next token.
+
+Optimisers: ``adamw`` (betas 0.9/0.95, linear warm-up over ``warmup`` of the
+steps, then a cosine decay to ``min_lr`` x lr), or the project's ``langevin``
+(:class:`flowgeom.langevin.Langevin` with seed 004's log regulariser on every
+factor: ``C B`` has LoRA's scale symmetry ``C D^{-1}, D B``, the orbit along
+which the regulariser is what makes the loss confining), with the same schedule.
+
+Cost and safety:
+
+* memory: the student's blocks are recomputed in the backward pass
+  (``torch.utils.checkpoint`` per block), and the teacher's logits are computed
+  batch by batch under ``inference_mode`` and dropped after the step: nothing is
+  stored for the corpus;
+* every ``checkpoint_every`` steps the trainable tensors, the optimiser state and
+  the history go to ``<work>/checkpoint.safetensors`` (flowgeom's pickle-free
+  checkpoint format, atomic); the batch of step k is drawn from a generator
+  seeded by (seed, k), so ``resume`` continues to the same numbers as an
+  uninterrupted run. A checkpoint of another student, teacher or configuration is
+  refused;
+* every ``eval_every`` steps the held-out perplexity on each of ``eval_texts``
+  goes to ``heal.jsonl`` (and a figure at the end), next to the teacher's;
+* a non-finite loss, or one that grows beyond ``diverge`` times the first, stops
+  the run: the last checkpointed tensors are written to the output folder and the
+  error says so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from flowgeom.errors import FlowgeomError, choice_error, finite_number, positive_int
+
+OPTIMIZERS = ("adamw", "langevin")
+HELD_OUT = ("kjv",)  # texts scored by default; the out-of-domain text joins when it ships (data.text)
+CHECKPOINT = "checkpoint.safetensors"
+LOG = "heal.jsonl"
+FIGURE = "heal.png"
+Progress = Callable[[str, int, int], None]  # (stage, done, total)
+
+
+@dataclass(frozen=True)
+class HealConfig:
+    tokens: int = 204_800  # healing tokens in all (steps = tokens // (seq_len * batch))
+    seq_len: int = 256  # tokens per sequence
+    batch: int = 4  # sequences per step
+    lr: float = 1e-4  # peak learning rate
+    warmup: float = 0.05  # fraction of the steps with a linear warm-up
+    min_lr: float = 0.1  # the cosine decay ends at min_lr x lr
+    optimizer: str = "adamw"  # adamw | langevin
+    weight_decay: float = 0.0  # AdamW's decoupled weight decay
+    temperature: float = 0.0  # langevin: the SDE's temperature s (0: regularised gradient descent)
+    reg_lam: float = 1e-6  # langevin: λ of the log regulariser on every trainable matrix
+    norms: bool = False  # also train the RMSNorm gains
+    text: str = "kjv"  # healing text: kjv (its train split) or a UTF-8 file
+    eval_texts: tuple[str, ...] = HELD_OUT  # held-out texts scored every eval_every steps
+    eval_every: int = 25  # steps between held-out evaluations (and the last step)
+    eval_tokens: int = 2048  # tokens of each held-out text per evaluation
+    eval_context: int = 512  # window of those evaluations
+    checkpoint_every: int = 25  # steps between checkpoints
+    checkpointing: bool = True  # recompute the student's blocks in the backward pass (gradient checkpointing)
+    diverge: float = 4.0  # a loss above diverge x the first loss stops the run
+    seed: int = 0
+    teacher: str | None = None  # dense model; None: the source recorded in flowgeom_share.json
+
+    def __post_init__(self):
+        for name in ("tokens", "seq_len", "batch", "eval_every", "eval_tokens", "eval_context", "checkpoint_every"):
+            positive_int(getattr(self, name), f"heal {name}")
+        if self.tokens < self.seq_len:
+            raise FlowgeomError(f"--tokens {self.tokens} is less than one sequence of {self.seq_len} tokens; heal "
+                                f"with at least {self.seq_len} tokens (a few hundred thousand heal a 20% model)")
+        finite_number(self.lr, "--lr", positive=True, fix="pass a learning rate such as 1e-4")
+        for name in ("warmup", "min_lr"):
+            value = finite_number(getattr(self, name), f"heal {name}", minimum=0.0, fix="pass a fraction in [0, 1]")
+            if value > 1:
+                raise FlowgeomError(f"heal {name} {value} is above 1; pass a fraction in [0, 1]")
+        for name in ("weight_decay", "temperature", "reg_lam"):
+            finite_number(getattr(self, name), f"heal {name}", minimum=0.0, fix="pass a number >= 0")
+        finite_number(self.diverge, "heal diverge", positive=True, fix="pass a factor such as 4")
+        if self.optimizer not in OPTIMIZERS:
+            raise choice_error("optimizer", self.optimizer, OPTIMIZERS)
+        if not self.eval_texts:
+            raise FlowgeomError("heal needs at least one held-out text to judge the student on (e.g. kjv)")
+
+    @property
+    def steps(self) -> int:
+        return max(1, self.tokens // (self.seq_len * self.batch_size))
+
+    @property
+    def batch_size(self) -> int:
+        """Sequences per step: ``batch``, fewer when ``tokens`` is less than one batch."""
+        return max(1, min(self.batch, self.tokens // self.seq_len))
+
+
+# ---------------------------------------------------------------- pure pieces
+
+def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """``KL(p_T || p_S)`` per token, averaged: logits (..., vocab) each, computed in float32 at least."""
+    dtype = torch.promote_types(student_logits.dtype, torch.float32)
+    log_s = F.log_softmax(student_logits.to(dtype), dim=-1)
+    log_t = F.log_softmax(teacher_logits.to(dtype), dim=-1)
+    return (log_t.exp() * (log_t - log_s)).sum(-1).mean()
+
+
+def learning_rate(step: int, config: HealConfig) -> float:
+    """The lr of step ``step`` (0-based): linear warm-up, then cosine from ``lr`` to ``min_lr * lr``."""
+    steps, warm = config.steps, int(round(config.warmup * config.steps))
+    if step < warm:
+        return config.lr * (step + 1) / warm
+    span = max(1, steps - warm - 1)
+    progress = min(1.0, (step - warm) / span)
+    return config.lr * (config.min_lr + (1 - config.min_lr) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def batch_starts(step: int, n_tokens: int, config: HealConfig) -> torch.Tensor:
+    """Start offsets (batch,) of step ``step``'s sequences: a function of (seed, step) only, so a resumed run
+    draws the batches an uninterrupted one draws."""
+    gen = torch.Generator().manual_seed(config.seed * 1_000_003 + step)
+    return torch.randint(0, n_tokens - config.seq_len - 1, (config.batch_size,), generator=gen)
+
+
+def student_logits(model, ids: torch.Tensor, *, checkpointing: bool) -> torch.Tensor:
+    """flowgeom Llama logits (B, T, vocab), each block recomputed in the backward pass when ``checkpointing``."""
+    from torch.utils.checkpoint import checkpoint
+
+    from flowgeom.nn.llama import rope_tables
+
+    h = model.model.embed_tokens(ids)  # (B, T, d)
+    cos, sin = rope_tables(model.config, ids.shape[1], dtype=h.dtype, device=h.device)  # (T, hd)
+    for layer in model.model.layers:
+        h = checkpoint(layer, h, cos, sin, use_reentrant=False) if checkpointing else layer(h, cos, sin)
+    return model.lm_head(model.model.norm(h))  # (B, T, vocab)
+
+
+# ---------------------------------------------------------------- the student on disk
+
+@dataclass
+class Student:
+    """A compressed folder loaded for training: the model, its trainable tensors by their names on disk, and
+    what is needed to write it back (every tensor of the folder, the JSON files)."""
+
+    folder: Path
+    kind: str  # factored | dense
+    model: torch.nn.Module
+    trainable: dict[str, torch.nn.Parameter]
+    tensors: dict[str, torch.Tensor]  # every tensor of the folder as stored (dtype kept)
+    report: dict[str, Any]
+    config_json: dict[str, Any]
+    extra: dict[str, dict] = field(default_factory=dict)
+
+
+def _share_report(folder: Path) -> dict[str, Any]:
+    from flowgeom.files import read_json_object
+
+    path = folder / "flowgeom_share.json"
+    if not folder.is_dir() or not path.is_file():
+        raise FlowgeomError(f"{folder} is not a compressed folder (no flowgeom_share.json); heal takes a folder "
+                            "written by `flowgeom continuity share` (factored, or with dropped blocks)")
+    return read_json_object(path, fix="write the folder again with `flowgeom continuity share`")
+
+
+def load_student(folder: str | Path, *, norms: bool = False) -> Student:
+    """The compressed model in ``folder`` with its trainable tensors (module docstring)."""
+    from flowgeom.compress.folder import JSON_NAME, factored_llama, is_factored, read_factored
+    from flowgeom.compress.plan import HF_NAMES
+    from flowgeom.files import read_json_object
+    from flowgeom.io.sources import open_source
+    from flowgeom.nn.llama import load_llama
+
+    folder = Path(folder)
+    report = _share_report(folder)
+    config_json = read_json_object(folder / "config.json", fix="write the folder again")
+    if is_factored(folder):
+        _, units, tensors = read_factored(folder)
+        model = factored_llama(folder)
+        trainable: dict[str, torch.nn.Parameter] = {}
+        for u in units:
+            for layer, coeff in zip(u.layers, u.coeffs):
+                module = model.get_submodule(f"model.layers.{layer}.{HF_NAMES[u.role]}")
+                trainable[u.basis] = module.basis
+                trainable[coeff] = module.coeff
+        kind = "factored"
+        extra = {JSON_NAME: read_json_object(folder / JSON_NAME, fix="write the folder again")}
+    elif report.get("format") == "dense" and str(report.get("method", "")).startswith("drop"):
+        src = open_source(folder / "model.safetensors")
+        tensors = {name: src.load(name) for name in src.shapes}
+        model = load_llama(folder)
+        trainable = {name: p for name, p in model.named_parameters()
+                     if name.startswith("model.layers.") and name.endswith("_proj.weight")}
+        kind, extra = "dense", {}
+    else:
+        raise FlowgeomError(f"{folder} is neither factored nor a model with dropped blocks ({report.get('method')!r}, "
+                            f"{report.get('format')!r}); heal takes what `continuity share` writes without --dense")
+    if norms:
+        trainable.update({name: p for name, p in model.named_parameters() if name.endswith("norm.weight")})
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for p in trainable.values():
+        p.requires_grad_(True)
+    return Student(folder, kind, model, trainable, tensors, report, config_json, extra)
+
+
+def student_identity(folder: Path, teacher: str) -> str:
+    """sha256 of what makes a student: config.json, the factored JSON, the safetensors header (names, shapes,
+    dtypes, offsets) and the teacher's name. A resume against another model or plan sees another digest."""
+    from flowgeom.compress.folder import JSON_NAME
+
+    h = hashlib.sha256(teacher.encode())
+    for name in ("config.json", JSON_NAME):
+        if (folder / name).is_file():
+            h.update((folder / name).read_bytes())
+    with open(folder / "model.safetensors", "rb") as fh:
+        size = int.from_bytes(fh.read(8), "little")
+        h.update(fh.read(min(size, 1 << 26)))
+    return h.hexdigest()
+
+
+def healed_tensors(student: Student) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder, the trained ones replaced (each in the dtype it was stored in)."""
+    out = dict(student.tensors)
+    for name, p in student.trainable.items():
+        out[name] = p.detach().to(student.tensors[name].dtype).contiguous()
+    return out
+
+
+# ---------------------------------------------------------------- the run
+
+def _held_out_ids(name: str, tokenizer, tokens: int) -> torch.Tensor:
+    from flowgeom.data.text import load_text
+    from flowgeom.data.tokens import token_ids
+
+    text = load_text("kjv", split="test") if name == "kjv" else load_text(name)
+    return token_ids(text, tokenizer)[:tokens]
+
+
+def _healing_ids(config: HealConfig, tokenizer) -> torch.Tensor:
+    from flowgeom.data.text import load_text
+    from flowgeom.data.tokens import token_ids
+
+    if config.text != "kjv" and not Path(config.text).is_file():
+        raise FlowgeomError(f"--text {config.text} is not a file; pass kjv or a UTF-8 text file")
+    text = load_text("kjv", split="train") if config.text == "kjv" else load_text(config.text)
+    ids = token_ids(text, tokenizer)
+    if len(ids) < config.seq_len + 2:
+        raise FlowgeomError(f"the healing text has {len(ids)} tokens, fewer than one sequence of {config.seq_len}; "
+                            "pass a longer --text or a shorter --seq-len")
+    return ids
+
+
+def _optimizer(config: HealConfig, trainable: Mapping[str, torch.nn.Parameter]) -> torch.optim.Optimizer:
+    if config.optimizer == "adamw":
+        return torch.optim.AdamW(list(trainable.values()), lr=config.lr, betas=(0.9, 0.95),
+                                 weight_decay=config.weight_decay, foreach=True)
+    from flowgeom.langevin import Langevin, Regularizer
+
+    reg = Regularizer("log", lam=config.reg_lam) if config.reg_lam > 0 else Regularizer("none")
+    return Langevin(list(trainable.items()), lr=config.lr, temperature=config.temperature, seed=config.seed,
+                    grad_transform=reg.transform(list(trainable)))
+
+
+def _evaluate(model, held_out: Mapping[str, torch.Tensor], context: int) -> dict[str, float]:
+    from flowgeom.compress.perplexity import EvalConfig, perplexity
+
+    model.eval()
+    out = {name: perplexity(model, ids, EvalConfig(context=min(context, len(ids)), max_tokens=None))["ppl"]
+           for name, ids in held_out.items()}
+    model.train()
+    return out
+
+
+def _heal_figure(history: Sequence[Mapping[str, Any]], reference: Mapping[str, float], path: Path) -> None:
+    from flowgeom.report.figures import new_figure
+    from flowgeom.files import atomic_write_figure
+
+    fig = new_figure(figsize=(5.5, 3.4))
+    ax = fig.add_subplot()
+    for name, ref in reference.items():
+        points = [(h["tokens"], h["ppl"][name] / ref) for h in history if "ppl" in h]
+        ax.plot([t for t, _ in points], [r for _, r in points], marker="o", ms=3, label=f"{name} (held out)")
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--", label="dense teacher")
+    ax.set_xlabel("healing tokens")
+    ax.set_ylabel("perplexity / teacher's")
+    ax.set_title("healing by distillation")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    atomic_write_figure(path, fig, root=path.parent)
+
+
+@dataclass
+class _Run:
+    """What a step loop carries: the position, the history (one record per evaluation) and the last good
+    trainable tensors (those of the last checkpoint)."""
+
+    step: int
+    history: list[dict[str, Any]]
+    good_step: int
+    good: dict[str, torch.Tensor]
+    first_loss: float | None = None
+
+
+def _checkpoint(work: Path, run: _Run, student: Student, opt: torch.optim.Optimizer, identity: str,
+                config: HealConfig) -> None:
+    from flowgeom.runs import atomic_write_bytes, encode_checkpoint
+
+    run.good = {k: p.detach().clone() for k, p in student.trainable.items()}
+    run.good_step = run.step
+    state = {"identity": identity, "config": _config_record(config), "step": run.step, "history": run.history,
+             "first_loss": run.first_loss, "trainable": run.good, "optimizer": opt.state_dict()}
+    atomic_write_bytes(work / CHECKPOINT, encode_checkpoint(state), root=work)
+
+
+def _config_record(config: HealConfig) -> dict[str, Any]:
+    """The fields that decide the numbers (the evaluation cadence included: the history depends on it)."""
+    record = asdict(config)
+    record["eval_texts"] = list(config.eval_texts)
+    return record
+
+
+def _resume(work: Path, student: Student, opt: torch.optim.Optimizer, identity: str, config: HealConfig) -> _Run:
+    from flowgeom.files import read_regular
+    from flowgeom.runs import decode_checkpoint
+
+    path = work / CHECKPOINT
+    state = decode_checkpoint(read_regular(path, CHECKPOINT, fix="delete it and heal again", limit=1 << 36),
+                              source=str(path))
+    if state.get("identity") != identity:
+        raise FlowgeomError(f"{path} belongs to another student or teacher (another model or plan); heal this "
+                            "folder without --resume, or resume the folder it came from")
+    if state.get("config") != _config_record(config):
+        theirs = state.get("config") or {}
+        diff = sorted(k for k in set(theirs) | set(_config_record(config))
+                      if theirs.get(k) != _config_record(config).get(k))
+        raise FlowgeomError(f"{path} was written with other heal settings ({', '.join(diff)}); resume with the same "
+                            "settings, or heal again without --resume")
+    with torch.no_grad():
+        for name, p in student.trainable.items():
+            p.copy_(state["trainable"][name])
+    opt.load_state_dict(state["optimizer"])
+    good = {k: v.clone() for k, v in state["trainable"].items()}
+    return _Run(state["step"], list(state["history"]), state["step"], good, state["first_loss"])
+
+
+def heal_folder(folder: str | Path, out: str | Path, config: HealConfig, *, force: bool = False,
+                resume: bool = False, in_place: bool = False, progress: Progress | None = None,
+                on_eval: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Heal the compressed ``folder`` into the folder ``out`` (module docstring); returns the heal report.
+
+    The run's state lives in ``<out>.heal/`` (checkpoint, ``heal.jsonl``) until the healed folder is written;
+    ``heal.jsonl`` and ``heal.png`` are copied into ``out``. ``in_place`` allows ``out == folder`` (``share
+    --heal``: the folder is read whole before it is replaced).
+    """
+    from flowgeom.compress.folder import JSON_NAME
+    from flowgeom.compress.folder import load_model as load_any
+    from flowgeom.compress.run import source_path
+    from flowgeom.compress.write import check_out_folder, save_llama_folder, write_folder, write_model_files
+    from flowgeom.data.tokens import load_tokenizer
+    from flowgeom.files import out_folder
+    from flowgeom.runs import atomic_write_bytes, atomic_write_json, to_json
+
+    t0 = time.perf_counter()
+    folder, out = Path(folder), Path(out)
+    report = _share_report(folder)  # not compressed: refused before anything else
+    if not (in_place and out.resolve() == folder.resolve()):
+        check_out_folder(folder, out, force=force)
+    work = out.parent / f"{out.name}.heal"
+    if resume and not (work / CHECKPOINT).is_file():
+        raise FlowgeomError(f"--resume: {work / CHECKPOINT} does not exist; heal without --resume to start")
+    teacher_spec = config.teacher or report.get("source")
+    if not isinstance(teacher_spec, str) or not teacher_spec:
+        raise FlowgeomError(f"{folder}/flowgeom_share.json names no source model; pass --teacher")
+    teacher_path = source_path(teacher_spec)
+    tokenizer = load_tokenizer(folder if (folder / "tokenizer.json").is_file() else teacher_path)
+    ids = _healing_ids(config, tokenizer)
+    held_out = {name: _held_out_ids(name, tokenizer, config.eval_tokens) for name in config.eval_texts}
+
+    student = load_student(folder, norms=config.norms)
+    teacher = load_any(teacher_path).eval()
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    if teacher.config.vocab_size != student.model.config.vocab_size:
+        raise FlowgeomError(f"the teacher {teacher_spec} has {teacher.config.vocab_size} tokens, the student "
+                            f"{student.model.config.vocab_size}; pass the --teacher the folder was compressed from")
+    identity = student_identity(folder, str(teacher_path.resolve()))
+    opt = _optimizer(config, student.trainable)
+    work = out_folder(work.parent, work, "the heal work folder")
+    run = _resume(work, student, opt, identity, config) if resume else _Run(0, [], 0, {
+        k: p.detach().clone() for k, p in student.trainable.items()})
+    reference = _evaluate(teacher, held_out, config.eval_context)
+    student.model.train()
+    if not run.history:
+        run.history.append({"step": 0, "tokens": 0, "ppl": _evaluate(student.model, held_out, config.eval_context),
+                            "seconds": 0.0})
+        if on_eval:
+            on_eval({**run.history[-1], "reference": reference})
+    tokens_per_step = config.seq_len * config.batch_size
+    stop: str | None = None
+    losses: list[float] = []
+    t_steps, steps_timed = time.perf_counter(), 0
+    while run.step < config.steps:
+        k = run.step
+        lr = learning_rate(k, config)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        starts = batch_starts(k, len(ids), config)
+        batch = torch.stack([ids[s: s + config.seq_len] for s in starts.tolist()]).long()  # (B, T)
+        with torch.inference_mode():
+            target = teacher(batch)  # (B, T, vocab), dropped after the step
+        loss = distillation_loss(student_logits(student.model, batch, checkpointing=config.checkpointing),
+                                 target.clone())
+        value = float(loss.detach())
+        if run.first_loss is None:
+            run.first_loss = value
+        if not math.isfinite(value) or value > config.diverge * max(run.first_loss, 1e-3):
+            stop = (f"healing diverged at step {k + 1} (KL {value:.4g}, first {run.first_loss:.4g}); the tensors of "
+                    f"step {run.good_step} were kept; lower --lr (now {config.lr:g})")
+            break
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        del loss, target
+        run.step += 1
+        steps_timed += 1
+        losses.append(value)
+        if progress:
+            progress("heal", run.step, config.steps)
+        last = run.step == config.steps
+        if run.step % config.eval_every == 0 or last:
+            elapsed = time.perf_counter() - t_steps
+            record = {"step": run.step, "tokens": run.step * tokens_per_step, "kl": sum(losses) / len(losses),
+                      "lr": lr, "ppl": _evaluate(student.model, held_out, config.eval_context),
+                      "step_seconds": elapsed / max(steps_timed, 1),
+                      "tokens_per_s": steps_timed * tokens_per_step / max(elapsed, 1e-9),
+                      "seconds": time.perf_counter() - t0}
+            run.history.append(record)
+            losses = []
+            if on_eval:
+                on_eval({**record, "reference": reference})
+            atomic_write_bytes(work / LOG, "".join(to_json(h) + "\n" for h in run.history).encode(), root=work)
+            t_steps, steps_timed = time.perf_counter(), 0
+        if run.step % config.checkpoint_every == 0 or last:
+            _checkpoint(work, run, student, opt, identity, config)
+    if stop is not None:
+        with torch.no_grad():
+            for name, p in student.trainable.items():
+                p.copy_(run.good[name])
+
+    heal = {"teacher": teacher_spec, "config": _config_record(config), "steps": run.good_step if stop else run.step,
+            "tokens": (run.good_step if stop else run.step) * tokens_per_step, "reference_ppl": reference,
+            "history": run.history, "diverged": stop, "seconds": time.perf_counter() - t0}
+    final = next((h for h in reversed(run.history) if h["step"] <= heal["steps"]), run.history[0])
+    heal["ppl"] = final["ppl"]
+    heal["ppl_ratio"] = {name: final["ppl"][name] / reference[name] for name in reference}
+    new_report = {**student.report, "heal": heal, "out": str(out)}
+
+    def fill(tmp: Path) -> None:
+        tensors = healed_tensors(student)
+        if student.kind == "factored":
+            write_model_files(tmp, tensors, student.config_json, tokenizer=tokenizer, report=new_report,
+                              extra={JSON_NAME: student.extra[JSON_NAME]})
+        else:
+            save_llama_folder(tmp, student.config_json, tensors, tokenizer=tokenizer, report=new_report)
+        atomic_write_bytes(tmp / LOG, "".join(to_json(h) + "\n" for h in run.history).encode(), root=tmp)
+        _heal_figure(run.history, reference, tmp / FIGURE)
+        atomic_write_json(tmp / "heal.json", heal, root=tmp)
+
+    write_folder(out, fill, force=force or in_place)
+    if stop is not None:
+        raise FlowgeomError(f"{stop}; written to {out}")
+    return heal

@@ -1,0 +1,158 @@
+"""Healing by distillation on a tiny Llama: the loss against float64, the schedule, a run that heals, resume
+to the same numbers, divergence that keeps the last good tensors, and bad input (one line, exit 2)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from test_compression import _share, tiny  # noqa: F401 - the tiny HF Llama folder fixture
+from test_share_evaluate import _run
+
+from flowgeom.compress.folder import dense_state, factored_llama, read_factored
+from flowgeom.compress.heal import HealConfig, distillation_loss, heal_folder, learning_rate, load_student
+from flowgeom.errors import FlowgeomError
+from flowgeom.nn.llama import llama_from_state
+
+transformers = pytest.importorskip("transformers")
+
+
+def test_distillation_loss_is_the_float64_kl_and_zero_on_the_teacher():
+    gen = torch.Generator().manual_seed(0)
+    s, t = torch.randn(2, 5, 11, generator=gen), torch.randn(2, 5, 11, generator=gen)
+    p = torch.softmax(t.double(), -1)
+    want = (p * (torch.log(p) - torch.log_softmax(s.double(), -1))).sum(-1).mean()
+    assert float(distillation_loss(s, t)) == pytest.approx(float(want), rel=1e-5)
+    assert abs(float(distillation_loss(t, t))) < 1e-6
+    assert float(distillation_loss(s, t)) > 0
+
+
+def test_schedule_warms_up_linearly_peaks_and_decays_to_the_floor():
+    cfg = HealConfig(tokens=100 * 256 * 4, lr=1e-3, warmup=0.1, min_lr=0.1)
+    lrs = [learning_rate(k, cfg) for k in range(cfg.steps)]
+    assert lrs[0] == pytest.approx(1e-4) and lrs[9] == pytest.approx(1e-3)
+    assert all(a <= b for a, b in zip(lrs[:10], lrs[1:10]))
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
+    assert lrs[-1] == pytest.approx(1e-4)
+
+
+def _compressed(capsys, tiny, tmp_path, *argv):  # noqa: F811
+    out = tmp_path / "w"
+    code, _, err = _share(capsys, tiny, out, "--method", "whiten", "--budget", "0.4", *argv)
+    assert code == 0, err
+    return out
+
+
+def _cfg(tiny, **over):  # noqa: F811
+    text = str(tiny.parent / "calib.txt")
+    base = dict(tokens=12 * 64 * 2, seq_len=64, batch=2, lr=3e-3, text=text, eval_texts=(str(tiny.parent / "text.txt"),),
+                eval_every=4, eval_tokens=256, eval_context=128, checkpoint_every=4, teacher=str(tiny))
+    return HealConfig(**{**base, **over})
+
+
+def test_healing_lowers_the_kl_and_the_held_out_perplexity_and_stays_factored(capsys, tiny, tmp_path):  # noqa: F811
+    folder = _compressed(capsys, tiny, tmp_path)
+    out = tmp_path / "healed"
+    result = heal_folder(folder, out, _cfg(tiny))
+    history = [json.loads(line) for line in (out / "heal.jsonl").read_text().splitlines()]
+    assert [h["step"] for h in history] == [0, 4, 8, 12]
+    assert history[-1]["kl"] < 0.5 * history[1]["kl"]
+    (name,) = result["reference_ppl"]
+    assert history[-1]["ppl"][name] < history[0]["ppl"][name]  # closer to the teacher on text it never saw
+    assert result["ppl_ratio"][name] == pytest.approx(history[-1]["ppl"][name] / result["reference_ppl"][name])
+    assert (out / "heal.png").stat().st_size > 0
+    # still a factored folder: its loader's logits equal the dense reconstruction's, and the factors moved
+    cfg, units, tensors = read_factored(out)
+    _, _, before = read_factored(folder)
+    assert any(not torch.equal(tensors[u.basis], before[u.basis]) for u in units)
+    ids = torch.tensor([[5, 9, 200, 17, 3, 44, 101]])
+    with torch.no_grad():
+        want = llama_from_state(cfg, dense_state(units, tensors))(ids)
+        assert (factored_llama(out)(ids) - want).abs().max() < 1e-5
+    share = json.loads((out / "flowgeom_share.json").read_text())
+    assert share["heal"]["tokens"] == 12 * 64 * 2 and share["method"] == "whiten"
+
+
+def test_a_killed_heal_resumes_to_the_same_tensors(capsys, tiny, tmp_path):  # noqa: F811
+    folder = _compressed(capsys, tiny, tmp_path)
+    heal_folder(folder, tmp_path / "straight", _cfg(tiny))
+
+    def kill(stage, done, total):
+        if done == 6:  # after the checkpoint of step 4
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        heal_folder(folder, tmp_path / "resumed", _cfg(tiny), progress=kill)
+    assert not (tmp_path / "resumed").exists()
+    heal_folder(folder, tmp_path / "resumed", _cfg(tiny), resume=True)
+    _, _, a = read_factored(tmp_path / "straight")
+    _, _, b = read_factored(tmp_path / "resumed")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert (tmp_path / "straight/heal.jsonl").read_text() != ""
+    straight = [json.loads(x) for x in (tmp_path / "straight/heal.jsonl").read_text().splitlines()]
+    resumed = [json.loads(x) for x in (tmp_path / "resumed/heal.jsonl").read_text().splitlines()]
+    assert [h["ppl"] for h in straight] == [h["ppl"] for h in resumed]
+
+
+def test_divergence_keeps_the_last_good_tensors_and_says_so(capsys, tiny, tmp_path):  # noqa: F811
+    folder = _compressed(capsys, tiny, tmp_path)
+    out = tmp_path / "blown"
+    with pytest.raises(FlowgeomError, match=r"diverged at step \d+ .* the tensors of step 0 were kept"):
+        heal_folder(folder, out, _cfg(tiny, lr=0.9, warmup=0.0, checkpoint_every=100))
+    _, _, kept = read_factored(out)
+    _, _, original = read_factored(folder)
+    assert all(torch.equal(kept[k], original[k]) for k in original)
+
+
+def test_a_dropped_model_heals_its_remaining_blocks(capsys, tiny, tmp_path):  # noqa: F811
+    folder = tmp_path / "dropped"
+    code, _, err = _share(capsys, tiny, folder, "--method", "drop-angular", "--budget", "0.25")
+    assert code == 0, err
+    student = load_student(folder)
+    assert student.kind == "dense" and all(k.endswith("_proj.weight") for k in student.trainable)
+    result = heal_folder(folder, tmp_path / "dh", _cfg(tiny))
+    (name,) = result["reference_ppl"]
+    assert result["history"][-1]["ppl"][name] < result["history"][0]["ppl"][name]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tokens", "10", "--seq-len", "64"], "less than one sequence of 64 tokens"),
+    (["--lr", "nan"], "--lr"),
+    (["--lr", "0"], "--lr"),
+    (["--lr", "-1e-3"], "--lr"),
+])
+def test_bad_heal_flags_are_one_line_exit_2(capsys, tiny, tmp_path, argv, message):  # noqa: F811
+    folder = _compressed(capsys, tiny, tmp_path)
+    code, _, err = _run(capsys, "compress", "heal", str(folder), "--out", str(tmp_path / "o"), *argv)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_heal_refuses_what_it_cannot_heal(capsys, tiny, tmp_path):  # noqa: F811
+    code, _, err = _run(capsys, "compress", "heal", str(tiny), "--out", str(tmp_path / "o"))
+    assert code == 2 and "is not a compressed folder" in err and len(err.strip().splitlines()) == 1
+    folder = _compressed(capsys, tiny, tmp_path)
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("caf\xe9 ".encode("latin-1") * 400)
+    code, _, err = _run(capsys, "compress", "heal", str(folder), "--out", str(tmp_path / "o"), "--heal-text", str(bad),
+                        "--teacher", str(tiny))
+    assert code == 2 and "UTF-8" in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_resume_from_another_plan_is_refused(capsys, tiny, tmp_path):  # noqa: F811
+    a = _compressed(capsys, tiny, tmp_path)
+    out = tmp_path / "healed"
+    with pytest.raises(KeyboardInterrupt):
+        heal_folder(a, out, _cfg(tiny), progress=lambda s, d, t: (_ for _ in ()).throw(KeyboardInterrupt) if d == 5
+                    else None)
+    b = tmp_path / "w30"
+    code, _, err = _share(capsys, tiny, b, "--method", "whiten", "--budget", "0.3")
+    assert code == 0, err
+    with pytest.raises(FlowgeomError, match="belongs to another student"):
+        heal_folder(b, out, _cfg(tiny), resume=True)
+    with pytest.raises(FlowgeomError, match="other heal settings"):
+        heal_folder(a, out, _cfg(tiny, lr=1e-3), resume=True)
+    assert math.isfinite(heal_folder(a, out, _cfg(tiny), resume=True)["seconds"])
