@@ -181,7 +181,8 @@ def drift_cmd(args: argparse.Namespace) -> int:
     with _progress(not args.json) as say, _quiet_uncovered():
         result = checkpoint_drift(args.checkpoints, config=args.config, optimizer_kind=args.optimizer,
                                   threshold=args.threshold, figure=args.figure, heads=args.heads,
-                                  positions=args.positions, device=args.device, progress=say)
+                                  positions=args.positions, device=args.device, reference=args.reference,
+                                  progress=say)
     if result["uncovered"]:
         print("flowgeom: warning: not covered by any law, not measured: "
               + "; ".join(f"{u['block'] or '<model>'} ({u['reason']})" for u in result["uncovered"]), file=sys.stderr)
@@ -197,7 +198,7 @@ def _print_drift(result: dict[str, Any]) -> None:
 
     records = result["records"]
     families = sorted(k[4:] for k in records[-1] if k.startswith("eps/") and "@" not in k)
-    table = Table(title=f"{result['model_type']}: ε of each law family against {Path(result['checkpoints'][0]).name} "
+    table = Table(title=f"{result['model_type']}: ε of each law family against {result['against']} "
                         "(ε_law / ε_control in brackets)")
     table.add_column("step", justify="right")
     table.add_column("checkpoint")
@@ -212,7 +213,11 @@ def _print_drift(result: dict[str, Any]) -> None:
     con = console()
     con.print(table)
     for v in result["summary"]["verdicts"]:
-        con.print(f"  {v['family']:22s} {v['verdict']:7s} ε_law/ε_control = {v['ratio']:.3g}")
+        if v.get("basis") == "prediction":
+            con.print(f"  {v['family']:22s} {v['verdict']:7s} measured ε = {v['eps']:.3e}, predicted (plain SGD, "
+                      f"exact) {v['predicted']:.3e}; gap / round-off = {v['excess']:.2g}")
+        else:
+            con.print(f"  {v['family']:22s} {v['verdict']:7s} ε_law/ε_control = {v['ratio']:.3g}")
     con.print(result["summary"]["line"], soft_wrap=True)
     if "figure" in result:
         con.print(f"figure: {result['figure']}")
@@ -292,7 +297,11 @@ def register(sub) -> None:
                 func=drift_cmd)
     p.add_argument("checkpoints", nargs="+", metavar="CHECKPOINT",
                    help="HF Trainer checkpoint-N folders, save_pretrained folders or .safetensors files (≥ 2; "
-                        "sorted by step; the first is θ_0)")
+                        "sorted by step; measured from the run's θ_0 when its flowgeom_theta0.safetensors is beside "
+                        "them, else from the first, and the verdict line says which)")
+    p.add_argument("--reference", default=None, metavar="THETA0",
+                   help="the flowgeom_theta0.safetensors a ConservationCallback wrote into the Trainer's output_dir "
+                        "(default: the one in the folder holding the checkpoints, if any)")
     p.add_argument("--config", default=None, help="config.json for bare .safetensors files (default: the one beside them)")
     from flowgeom.laws.verdict import HELD_THRESHOLD, KINDS
 

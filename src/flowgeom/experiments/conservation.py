@@ -301,8 +301,9 @@ def run_conservation(cfg: ConservationConfig, out: str | Path, *, resume: bool =
     model = task.model
     opt = make_optimizer(cfg, model.parameters())
     # every=1: the loop decides which ticks are measured. warn=True: the monitor warns (once) when the optimiser is
-    # not plain SGD, and about each block no law covers (also listed in the summary).
-    monitors = {"": ConservationMonitor(model, every=1, per_block=True, warn=True, optimizer=opt)}
+    # not plain SGD, and about each block no law covers (also listed in the summary). predict=False: the runs
+    # record ε and its slopes; the exact plain-SGD prediction (one more law evaluation per step) is not needed here.
+    monitors = {"": ConservationMonitor(model, every=1, per_block=True, warn=True, optimizer=opt, predict=False)}
     if cfg.weight_decay:
         monitors["wd/"] = ConservationMonitor(model, every=1, per_block=False, warn=False,
                                               weight_decay=cfg.weight_decay, lr=cfg.lr)

@@ -3,11 +3,22 @@
 Each checkpoint is a Hugging Face folder (a Trainer's ``checkpoint-N``, a
 ``save_pretrained`` folder: ``config.json`` plus ``model.safetensors`` or a
 sharded index) or a bare ``.safetensors`` file (with ``config=`` a
-``config.json``, or one next to it). The first checkpoint is θ_0: its laws are
-located (:func:`flowgeom.laws.locate.locate_blocks`) and every later
-checkpoint's weights are copied into the same model and measured against it,
-with the verdicts of :mod:`flowgeom.laws.verdict` and the figure of
-:mod:`flowgeom.integrations.figure`.
+``config.json``, or one next to it). The laws are located in the first
+checkpoint (:func:`flowgeom.laws.locate.locate_blocks`) and every checkpoint's
+weights are copied into the same model and measured, with the verdicts of
+:mod:`flowgeom.laws.verdict` and the figure of :mod:`flowgeom.integrations.figure`.
+
+**One reference.** ε is measured from θ_0 when the run left its law values:
+the ``flowgeom_theta0.safetensors`` a
+:class:`~flowgeom.integrations.ConservationCallback` writes into the Trainer's
+``output_dir``, found in the folder that holds the checkpoints (or given as
+``reference=``). The callback measured from the same θ_0, so both give the same
+numbers; and where a checkpoint holds the callback's state, its exact
+plain-SGD prediction (:class:`flowgeom.laws.predict.SGDPrediction`) is
+replayed, so both give the same verdict. Without that file the first checkpoint
+is the reference, and the verdict line says so ("from checkpoint-20; θ_0
+unknown"). A θ_0 file saved for another model (other laws or shapes) is not
+used, and the line says that too.
 
 A series must be one model: every checkpoint has the first one's family
 (``model_type``) and exactly its parameter names and shapes, else one error
@@ -37,7 +48,7 @@ from torch import nn
 
 from flowgeom.errors import FlowgeomError, shown
 from flowgeom.files import read_json_object
-from flowgeom.laws.verdict import HELD_THRESHOLD, KINDS, info_of_kind
+from flowgeom.laws.verdict import HELD_THRESHOLD, KINDS, OptimizerInfo, info_of_kind
 
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
 
@@ -205,24 +216,59 @@ def _tied(model: nn.Module) -> set[str]:
     return tied
 
 
-def _saved_optimizer(ck: Checkpoint) -> str | None:
-    """The optimiser kind a ConservationCallback saved next to the weights, if any."""
+def _saved_state(ck: Checkpoint) -> dict[str, Any] | None:
+    """The monitor state a ConservationCallback saved next to the weights, if any."""
     from flowgeom.integrations.session import STATE_FILE, read_state
     from flowgeom.runs import decode_checkpoint
 
     f = (ck.path if ck.path.is_dir() else ck.path.parent) / STATE_FILE
     if not f.is_file():
         return None
-    state = decode_checkpoint(read_state(f), source=str(f))
-    kind = (state.get("optimizer") or {}).get("kind")
-    return kind if kind in KINDS else None
+    return decode_checkpoint(read_state(f), source=str(f))
+
+
+def _saved_optimizer(state: dict[str, Any] | None) -> OptimizerInfo | None:
+    """The optimiser (class, kind, hyper-parameters) a saved monitor state describes, if it does."""
+    saved = (state or {}).get("optimizer")
+    if not isinstance(saved, dict) or saved.get("kind") not in KINDS:
+        return None
+    try:
+        return OptimizerInfo(**{k: saved[k] for k in OptimizerInfo.__dataclass_fields__ if k in saved})
+    except (TypeError, ValueError, FlowgeomError):
+        return info_of_kind(saved["kind"])
+
+
+def find_reference(series: Sequence[Checkpoint]) -> Path | None:
+    """The ``flowgeom_theta0.safetensors`` of the run: in the one folder that holds every checkpoint folder."""
+    from flowgeom.integrations.session import REFERENCE_FILE
+
+    parents = {(c.path.parent if c.path.is_dir() else c.path.parent.parent).resolve() for c in series}
+    if len(parents) != 1:
+        return None
+    path = parents.pop() / REFERENCE_FILE
+    return path if path.exists() else None
+
+
+def _use_reference(monitor, path: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """Load θ_0 from ``path`` into ``monitor``: (its state, None), or (None, why it was not used)."""
+    from flowgeom.integrations.session import read_reference
+
+    ref = read_reference(path)
+    if ref["fingerprint"] != monitor.fingerprint():
+        return None, f"{path.name} was saved for another model"
+    monitor.load_state_dict(ref["monitor"])
+    return ref, None
 
 
 def checkpoint_drift(paths: Sequence[str | os.PathLike], *, config: str | os.PathLike | None = None,
                      optimizer_kind: str | None = None, threshold: float = HELD_THRESHOLD,
                      figure: str | os.PathLike | None = None, heads: int | None = None,
-                     positions: str | None = None, device: str = "cpu", progress=lambda msg: None) -> dict[str, Any]:
-    """ε of every law family at each checkpoint against the first, with verdicts (and the figure)."""
+                     positions: str | None = None, device: str = "cpu", reference: str | os.PathLike | None = None,
+                     progress=lambda msg: None) -> dict[str, Any]:
+    """ε of every law family at each checkpoint against θ_0 (else the first checkpoint), with verdicts (and the figure).
+
+    ``reference``: a ``flowgeom_theta0.safetensors`` (default: the one beside the checkpoint folders, if any).
+    """
     from flowgeom.laws.monitor import ConservationMonitor
 
     if optimizer_kind is not None and optimizer_kind not in KINDS:
@@ -234,6 +280,9 @@ def checkpoint_drift(paths: Sequence[str | os.PathLike], *, config: str | os.Pat
 
         check_figure_path(figure)
         check_out_file(figure, "--figure", inputs=inputs)  # never into a checkpoint folder it reads
+    if reference is not None and not Path(reference).is_file():
+        raise FlowgeomError(f"--reference {shown(reference)} is not a file; pass the flowgeom_theta0.safetensors a "
+                            "ConservationCallback wrote into the Trainer's output_dir")
     series = resolve(paths, config)
     first = series[0]
     cfg0 = _load_config(first)
@@ -247,29 +296,45 @@ def checkpoint_drift(paths: Sequence[str | os.PathLike], *, config: str | os.Pat
     _load_into(model, first, first)  # all of θ_0: a zero-baseline law's scale may read its whole block
     model.to(device)
     monitor = ConservationMonitor(model, warn=False, heads=heads, positions=positions)
+    ref_path = Path(reference) if reference is not None else find_reference(series)
+    ref, unused = _use_reference(monitor, ref_path) if ref_path is not None else (None, None)
+    if ref is not None:
+        source = {"kind": "theta0", "path": str(ref_path), "step": ref["step"]}
+        named = None if ref["step"] == 0 else f"from θ_0 = step {ref['step']} (a rebased resume)"
+        against = "θ_0" if ref["step"] == 0 else f"θ_0 (step {ref['step']})"
+    else:
+        source = {"kind": "checkpoint", "path": str(first.path), "step": first.step}
+        named = f"from {first.path.name}; θ_0 unknown" + (f" ({unused})" if unused else "")
+        against = first.path.name
     read = set(monitor.param_names)  # later checkpoints: only what the laws read is loaded (the rest: headers)
-    records = []
+    records, states = [], []
     for i, ck in enumerate(series):
         if i:
             progress(f"{i + 1}/{len(series)} {ck.path}")
             _load_into(model, ck, first, read)
+        state = _saved_state(ck)
+        states.append(state)
+        if ref is not None:  # the callback's prediction at this checkpoint, when it measured from the same θ_0
+            saved = (state or {}).get("monitor")
+            same = (state is not None and state.get("fingerprint") == ref["fingerprint"] and isinstance(saved, dict)
+                    and isinstance(saved.get("h0"), torch.Tensor) and torch.equal(saved["h0"], ref["monitor"]["h0"]))
+            monitor.load_state_dict(saved if same else ref["monitor"])
         rec = monitor.step(ck.step if ck.step is not None else i)
         rec = {"checkpoint": str(ck.path), **rec}
         for v in monitor.verdicts(rec, threshold=threshold):
             rec[f"ratio/{v.family}"] = v.ratio
         records.append(rec)
-    kind = optimizer_kind or _saved_optimizer(series[-1])
-    if kind is not None:
-        monitor.optimizer_info = info_of_kind(kind)
-    summary = monitor.summary(record=records[-1], threshold=threshold)
+    info = info_of_kind(optimizer_kind) if optimizer_kind is not None else _saved_optimizer(states[-1])
+    monitor.optimizer_info = info
+    summary = monitor.summary(record=records[-1], threshold=threshold, reference=named)
     out = {"checkpoints": [str(c.path) for c in series], "steps": [r["step"] for r in records],
-           "model_type": getattr(cfg0, "model_type", None), "records": records, "summary": summary,
-           "uncovered": monitor.uncovered_list()}
+           "model_type": getattr(cfg0, "model_type", None), "reference": source, "against": against,
+           "records": records, "summary": summary, "uncovered": monitor.uncovered_list()}
     if figure is not None:
         from flowgeom.integrations.figure import plot_drift
 
         history = [{k: v for k, v in r.items() if k == "step" or ("@" not in k and isinstance(v, float))}
                    for r in records]
-        plot_drift(history, figure, title=f"{out['model_type']}: drift from {first.path.name}", inputs=inputs)
+        plot_drift(history, figure, title=f"{out['model_type']}: drift from {against}", inputs=inputs)
         out["figure"] = str(figure)
     return out

@@ -5,10 +5,13 @@ which holds the order of events once:
 
 1. ``MonitorSession(model, optimizer, …)`` at the start of training takes θ_0
    (or :meth:`load` restores θ_0 and the denominators from a checkpoint);
-2. per optimiser step: :meth:`before_step` (gradients are final: clipped,
-   accumulated) and :meth:`after_step` (the step is applied) feed Kunin et
-   al.'s predicted drift (:mod:`flowgeom.laws.predict`) when the optimiser is
-   torch's SGD (with or without momentum / weight decay);
+2. per optimiser step: under plain SGD the monitor follows the optimiser's
+   own steps (a step hook: the gradient the step used, clipping included) and
+   accumulates the exact discretisation drift Σ τ²·h(g)
+   (:class:`flowgeom.laws.predict.SGDPrediction`); with momentum or weight
+   decay :meth:`before_step` (gradients are final: clipped, accumulated) and
+   :meth:`after_step` (the step is applied) feed Kunin et al.'s predicted
+   drift (:class:`flowgeom.laws.predict.DriftPredictor`);
 3. :meth:`measure` with the number of steps taken: every ``every`` steps a
    record (ε per family and block, controls, ``ratio/<family>`` = ε_law /
    ε_control, predicted drift) goes to the writers and to ``history``;
@@ -18,15 +21,20 @@ which holds the order of events once:
 State saved with a checkpoint (``flowgeom_monitor.safetensors``, flowgeom's
 pickle-free format, :func:`flowgeom.runs.encode_checkpoint`): θ_0's law values,
 ε's denominators, the monitor's fingerprint (laws and parameter shapes), the
-predictor's state and the per-family history. A state whose fingerprint does
+predictions' state and the per-family history. A state whose fingerprint does
 not match the model is refused, never silently re-based.
+
+θ_0 itself (:meth:`save_reference`, ``flowgeom_theta0.safetensors``, same
+format): θ_0's law values, denominators, fingerprint and the step θ_0 was taken
+at, written once into the training's output folder, so that
+``flowgeom conserve drift`` measures a run's checkpoints from the same θ_0 as
+the callback did (:func:`read_reference`).
 """
 
 from __future__ import annotations
 
 import math
 import os
-import textwrap
 import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -43,12 +51,33 @@ from flowgeom.laws.predict import DriftPredictor, hyper_of
 from flowgeom.laws.verdict import HELD_THRESHOLD, KINDS, describe_optimizer, info_of_kind, unwrap_optimizer
 
 STATE_FILE = "flowgeom_monitor.safetensors"
+REFERENCE_FILE = "flowgeom_theta0.safetensors"
+REFERENCE_KIND = "flowgeom θ_0 law values"
 MAX_STATE = 2**36  # bytes of a saved monitor state (θ_0 of the measured parameters)
 
 
 def read_state(path: Path) -> bytes:
     """The bytes of a saved monitor state: a regular file of at most :data:`MAX_STATE` bytes (never a FIFO)."""
     return read_regular(path, STATE_FILE, limit=MAX_STATE, fix="delete it, or pass rebase=True to start a new θ_0")
+
+
+def read_reference(path: str | os.PathLike) -> dict[str, Any]:
+    """The θ_0 a callback saved (:meth:`MonitorSession.save_reference`): ``{step, fingerprint, monitor}``.
+
+    Read as data only (no pickle); anything else than such a file is one :class:`FlowgeomError`.
+    """
+    from flowgeom.runs import decode_checkpoint
+
+    fix = f"delete {REFERENCE_FILE} to measure from the first checkpoint instead"
+    state = decode_checkpoint(read_regular(path, REFERENCE_FILE, limit=MAX_STATE, fix=fix), source=str(path))
+    monitor = state.get("monitor")
+    if (state.get("kind") != REFERENCE_KIND or not isinstance(state.get("step"), int)
+            or not isinstance(state.get("fingerprint"), str) or not isinstance(monitor, dict)
+            or not all(isinstance(monitor.get(k), torch.Tensor) for k in ("h0", "denominator", "fingerprint"))):
+        raise FlowgeomError(f"{shown(path)} is not a flowgeom θ_0 file (no step, fingerprint and law values); {fix}")
+    return state
+
+
 PREDICT_CHOICES = ("auto", "on", "off")
 
 
@@ -57,8 +86,9 @@ class MonitorSession:
 
     ``optimizer_kind`` (one of ``sgd, sgd+wd, momentum, adam, other``) replaces the optimiser's
     description when the monitor cannot see it (no torch-style ``param_groups``).
-    ``predict``: ``auto`` (on for torch SGD with momentum or weight decay, without Nesterov/dampening),
-    ``on`` (also for plain SGD; refused where there is no prediction), ``off``. Monitor options (``heads``, ``positions``, ``weight_decay``, ``lr``, …) pass
+    ``predict``: ``auto``/``on`` (plain torch SGD: the exact drift Σ τ²·h(g), followed by the monitor;
+    torch SGD with momentum or weight decay, without Nesterov/dampening: Kunin et al.'s modified equation;
+    ``on`` is refused where there is no prediction, e.g. Adam), ``off``. Monitor options (``heads``, ``positions``, ``weight_decay``, ``lr``, …) pass
     through ``monitor_kwargs``.
     """
 
@@ -85,7 +115,8 @@ class MonitorSession:
             self.info = describe_optimizer(optimizer)
         # warn=False: the plain-GD warning is replaced by the verdict's expected behaviour; uncovered blocks are
         # still said out loud, once here and in the summary line
-        self.monitor = ConservationMonitor(model, every=every, warn=False, **monitor_kwargs)
+        self.monitor = ConservationMonitor(model, every=every, warn=False, optimizer=self.optimizer,
+                                           predict=predict != "off", **monitor_kwargs)
         self.monitor.optimizer_info = self.info
         if self.monitor.uncovered:
             warnings.warn(f"not covered by any law, not measured: {self._uncovered_text()}", FlowgeomWarning,
@@ -98,6 +129,7 @@ class MonitorSession:
         self.predictor = self._make_predictor(predict)
         self._drive = None
         self._hyper = None
+        self.theta0_step = 0  # the optimiser step θ_0 was taken at (a rebased resume: not 0)
 
     # ------------------------------------------------------------------ set-up
 
@@ -115,9 +147,10 @@ class MonitorSession:
     def _make_predictor(self, predict: str) -> DriftPredictor | None:
         info = self.info
         supported = (self.optimizer is not None and info.name == "SGD" and not info.nesterov and info.dampening == 0)
-        # auto: where the laws are expected to move (momentum, weight decay); under plain SGD the prediction is
-        # only the O(τ²k) term, and its cost (one more law evaluation per step) would double the monitor's
+        # plain SGD: the monitor's exact prediction (its step hook), not the modified equation's approximation of it
         beyond_flow = info.momentum > 0 or info.weight_decay > 0
+        if predict == "on" and self.monitor.prediction is not None:
+            return None
         if predict == "off" or (predict == "auto" and not (supported and beyond_flow)):
             return None
         if not supported:
@@ -198,7 +231,7 @@ class MonitorSession:
         pr = self.predictor
         return {"fingerprint": self.monitor.fingerprint(), "monitor": self.monitor.state_dict(),
                 "predictor": None if pr is None else {"h": pr.h, "u": pr.u, "t": pr.t, "steps": pr.steps},
-                "history": self.history, "optimizer": self.info.as_dict()}
+                "history": self.history, "optimizer": self.info.as_dict(), "theta0_step": self.theta0_step}
 
     def save(self, folder: str | os.PathLike) -> Path:
         """Write the state into ``folder`` (a checkpoint folder) as :data:`STATE_FILE`."""
@@ -206,6 +239,18 @@ class MonitorSession:
 
         path = Path(folder) / STATE_FILE
         atomic_write_bytes(path, encode_checkpoint(self.state()))
+        return path
+
+    def save_reference(self, folder: str | os.PathLike) -> Path:
+        """Write θ_0's law values into ``folder`` (the training's output folder) as :data:`REFERENCE_FILE`."""
+        from flowgeom.files import atomic_write_bytes
+        from flowgeom.runs import encode_checkpoint
+
+        m = self.monitor.state_dict()
+        state = {"kind": REFERENCE_KIND, "step": self.theta0_step, "fingerprint": self.monitor.fingerprint(),
+                 "monitor": {k: m[k] for k in ("h0", "denominator", "fingerprint")}}
+        path = Path(folder) / REFERENCE_FILE
+        atomic_write_bytes(path, encode_checkpoint(state))
         return path
 
     def load(self, folder: str | os.PathLike) -> None:
@@ -235,6 +280,8 @@ class MonitorSession:
         elif pr is not None:  # saved without a prediction: it cannot restart mid-run
             self.predictor = None
         self.history = [dict(h) for h in state.get("history") or []]
+        step = state.get("theta0_step", 0)
+        self.theta0_step = step if isinstance(step, int) else 0
 
     # ------------------------------------------------------------------ the end
 
@@ -251,6 +298,13 @@ class MonitorSession:
         if out["uncovered"]:
             out["line"] += f"; not covered by any law, not measured: {self._uncovered_text()}"
         last = self.monitor.last
+        if self.monitor.prediction is not None:  # the exact plain-SGD drift: its numbers (the line has the verdict)
+            out["prediction"] = {"model": "plain SGD, exact: h(θ_0) + Σ τ²·h(g) from the optimiser's steps",
+                                 "steps": self.monitor.prediction.steps,
+                                 **{k: {f[len(k) + 1:]: v for f, v in last.items() if f.startswith(k + "/")}
+                                    for k in ("pred", "pred_err", "pred_excess")}}
+        if self.predictor is None:
+            return out
         # a drift at the weights' round-off (ε below 100 ulps: float32 weights, ~1e-5) is rounding, which
         # no equation of motion predicts: its pred_err is not a verdict on the prediction
         floor = 100 * max(torch.finfo(self._named[n].dtype).eps for n in self.monitor.param_names)
@@ -275,12 +329,12 @@ class MonitorSession:
                     from flowgeom.integrations.figure import plot_drift
 
                     fig = out_folder(self.out, self.out / "figures", "figures folder") / "conservation.png"
-                    # the summary line without its prefix, on two lines (a figure title does not wrap by itself)
-                    wrapped = textwrap.wrap(out["line"].removeprefix("flowgeom: "), 100)
-                    plot_drift(self.history, fig, title=title or "\n".join(wrapped[:2]) + (" …" if wrapped[2:] else ""))
+                    # the summary's short form, whole (the full line is in summary.json and printed)
+                    plot_drift(self.history, fig, title=title or out["title"])
                     out["figure"] = str(fig)
                 atomic_write_json(self.out / "summary.json", out, root=self.out)
             return out
         finally:
+            self.monitor.close()
             for w in self.writers:
                 w.close()

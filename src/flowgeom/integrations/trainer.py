@@ -9,8 +9,14 @@ Events (transformers 5.23), and why each is used:
   loaded the checkpoint), or, when ``state.global_step > 0`` (a resume), θ_0
   and the denominators come from the checkpoint's ``flowgeom_monitor.safetensors``
   — refused if missing or saved for another model, unless ``rebase=True``;
+  θ_0's law values are written to ``<output_dir>/flowgeom_theta0.safetensors``
+  (atomic, no pickle), from which ``flowgeom conserve drift`` measures the
+  run's checkpoints, so both give the same numbers;
+- plain SGD: the monitor follows the optimiser's own steps (a torch step hook,
+  after the Trainer's clipping) for the exact drift Σ τ²·h(g);
 - ``on_pre_optimizer_step`` / ``on_optimizer_step``: the gradients (clipped,
-  accumulated) and the momentum buffers for the predicted drift;
+  accumulated) and the momentum buffers for Kunin et al.'s predicted drift
+  (momentum, weight decay);
 - ``on_step_end``: measure every ``every`` optimiser steps (``state.global_step``
   counts the steps taken, so the record of step k is θ_k);
 - ``on_log``: the latest per-family values (``flowgeom/eps/<family>``,
@@ -127,6 +133,12 @@ class ConservationCallback(TrainerCallback):
             found = [c for c in candidates if os.path.isfile(os.path.join(c, STATE_FILE))]
             if found or not self.rebase:
                 self.session.load(found[0] if found else candidates[0])
+            else:  # rebase: θ_0 is the resumed weights, and the reference file says so
+                self.session.theta0_step = state.global_step
+        if main:
+            from flowgeom.integrations.writers import check_writable_dir
+
+            self.session.save_reference(check_writable_dir(args.output_dir, "Trainer output_dir"))
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         self.session.before_step()

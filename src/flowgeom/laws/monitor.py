@@ -20,6 +20,18 @@ softmax runs in float32, ~1e-9 relative per step in a float64 model), not an
 O(τ²k) drift. Their check is ‖Δh‖/(τ‖∇L‖) ≪ 1 over one step, never a slope
 of 2 in τ; :meth:`ConservationMonitor.linear_families` names them.
 
+**The exact plain-SGD prediction.** Given a plain ``torch.optim.SGD`` (no
+momentum, no weight decay; wrappers are unwrapped), the monitor hooks the
+optimiser's step (``register_step_post_hook``: the gradient the step used,
+after clipping and accumulation, and that step's learning rate) and
+accumulates ĥ_k = h(θ_0) + Σ_j τ_j²·h(g_j) beside the measured h(θ_k)
+(:class:`flowgeom.laws.predict.SGDPrediction`; one more law evaluation per
+optimiser step, ``predict=False`` to skip it). Every record then carries
+``pred/<family>`` (ε of ĥ), ``pred_err/<family>`` (‖h − ĥ‖/‖h − h_0‖) and
+``pred_excess/<family>`` (the gap over its round-off tolerance), and the
+verdict of a quadratic family is "held" exactly when the measured drift is the
+predicted discretisation drift to round-off. :meth:`close` removes the hook.
+
 **Only plain GD / SGD.** Momentum and Adam change the direction of the
 step (no longer a combination of the model's Jacobian rows), so the first-
 order term no longer vanishes; weight decay adds −λθ to the flow. For the
@@ -87,6 +99,7 @@ import hashlib
 import math
 import re
 import warnings
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -98,7 +111,11 @@ from flowgeom.errors import FlowgeomError, finite_number, positive_int
 from flowgeom.laws.batched import BatchedLaws
 from flowgeom.laws.law import CatalogueEntry, Law
 from flowgeom.laws.locate import FlowgeomWarning, Uncovered, locate_blocks
-from flowgeom.laws.verdict import HELD_THRESHOLD, OptimizerInfo, Verdict, describe_optimizer, family_verdicts, summary_line
+from flowgeom.laws.predict import SGDPrediction
+from flowgeom.laws.verdict import (
+    HELD_THRESHOLD, OptimizerInfo, Verdict, describe_optimizer, family_verdicts, summary_line, summary_title,
+    unwrap_optimizer,
+)
 
 ZERO_BASELINE = 1e-8  # ‖h(θ_0)‖ at or below this times the law's parameter scale: normalise by the scale
 
@@ -190,14 +207,15 @@ class ConservationMonitor:
     sequence of :class:`Law`. θ_0 is the model's parameters at construction
     (or at :meth:`reset`). ``run`` (a :class:`flowgeom.runs.RunFolder`)
     receives each record through ``run.log``. ``per_block=False`` keeps only
-    the per-family means.
+    the per-family means. ``predict`` (with a plain-SGD ``optimizer``): accumulate
+    the exact discretisation drift Σ τ²·h(g) from the optimiser's steps (module docstring).
     """
 
     def __init__(self, model: nn.Module, laws: CatalogueEntry | Sequence[Law] | None = None, *, every: int = 1,
                  run: Any = None, optimizer: torch.optim.Optimizer | None = None, weight_decay: float = 0.0,
                  lr: float | None = None, include_refuted: bool = True, per_block: bool = True,
                  heads: int | None = None, positions: str | None = None, warn: bool = True,
-                 rescale: str = "flow"):
+                 rescale: str = "flow", predict: bool = True):
         positive_int(every, "every", fix="measure every N >= 1 steps")
         weight_decay = finite_number(weight_decay, "ConservationMonitor weight_decay", minimum=0.0,
                                      fix="pass the optimiser's weight decay λ >= 0, or 0")
@@ -270,7 +288,55 @@ class ConservationMonitor:
             p = dict(zip(self._names, self._params))
             degs = torch.tensor([float(homogeneity_degree(t.law, p)) for t in self.items], dtype=torch.float64)
             self._degree = degs[self._seg]  # (total,)
+        self.prediction: SGDPrediction | None = None  # the exact plain-SGD drift (module docstring)
+        self._hook = None
         self.reset()
+        if predict and optimizer is not None and is_plain_sgd(optimizer) and not self.weight_decay:
+            self._track_sgd(unwrap_optimizer(optimizer))
+
+    def _track_sgd(self, optimizer: torch.optim.Optimizer) -> None:
+        """Feed :attr:`prediction` from every step of ``optimizer`` (a weak reference: a dropped monitor unhooks)."""
+        self.prediction = SGDPrediction(self)
+        ref = weakref.ref(self)
+
+        def after_step(opt, args, kwargs):  # torch calls it after each opt.step(): .grad is what the step used
+            mon = ref()
+            if mon is None:
+                handle.remove()
+            else:
+                mon._sgd_step(opt)
+
+        handle = optimizer.register_step_post_hook(after_step)
+        self._hook = handle
+
+    @torch.no_grad()
+    def _sgd_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Advance the prediction by h(Δ), Δ_p = τ_p·g_p: the step just taken (see :mod:`flowgeom.laws.predict`)."""
+        pr = self.prediction
+        if pr is None:
+            return
+        if not is_plain_sgd(optimizer):  # momentum or weight decay switched on mid-run: no exact prediction left
+            self.close()
+            self.prediction = None
+            self._warn_once("prediction_lost", "the optimiser is no longer plain SGD (momentum or weight decay was "
+                            "set during training): the exact plain-SGD prediction stops here", stacklevel=4)
+            return
+        rate = {id(p): float(g["lr"]) for g in optimizer.param_groups for p in g["params"]}
+        grads = {n: (p.grad, rate[id(p)]) for n, p in zip(self._names, self._params)
+                 if p.grad is not None and id(p) in rate}
+        rates = {r for _, r in grads.values()}
+        if len(rates) <= 1:  # one learning rate for every law: h(τg) = τ²·h(g), no scaled copy of the gradients
+            tau = rates.pop() if rates else 0.0
+            drive = self.values_at({n: g for n, (g, _) in grads.items()}) * tau ** 2
+        else:
+            drive = self.values_at({n: g * r for n, (g, r) in grads.items()})
+        pr.advance(drive, pr.scale(self._params))
+
+    def close(self) -> None:
+        """Stop following the optimiser's steps (removes the step hook; the records so far stay)."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
 
     def _group_keys(self) -> list[tuple[str, ...]]:
         keys = []
@@ -327,6 +393,8 @@ class ConservationMonitor:
                                 "the weights before building the monitor (or call reset() once they are finite)")
         self.h0 = h0
         self._set_denominators()
+        if getattr(self, "prediction", None) is not None:
+            self.prediction.reset()
 
     def _set_denominators(self, warn: bool = True) -> None:
         """ε's denominator per item: ‖h(θ_0)‖, or the parameter scale where h(θ_0) ≈ 0 (module docstring)."""
@@ -415,7 +483,10 @@ class ConservationMonitor:
         decay_log = None
         if self.rescale == "sgd" and self.weight_decay:
             decay_log = -step * math.log1p(-self.lr * self.weight_decay)
+        values = self.values() if values is None else values
         record = {"step": step, **(extra or {}), **self.measure(time=time, decay_log=decay_log, values=values)}
+        if self.prediction is not None and self.prediction.steps:
+            record.update(self.prediction.compare(values, self.prediction.scale(self._params)))
         if self.uncovered:
             record["uncovered"] = self.uncovered_list()
         if self.zero_baseline:
@@ -456,18 +527,22 @@ class ConservationMonitor:
                                linear=self.linear_families())
 
     def summary(self, optimizer: Any = None, *, record: Mapping[str, Any] | None = None,
-                threshold: float = HELD_THRESHOLD) -> dict[str, Any]:
-        """``{step, verdicts, optimizer, line}``: the verdicts and one line with the optimiser's expected behaviour.
+                threshold: float = HELD_THRESHOLD, reference: str | None = None) -> dict[str, Any]:
+        """``{step, verdicts, optimizer, line, title}``: the verdicts, one line with the optimiser's expected
+        behaviour, and its short form (a figure's title).
 
-        ``optimizer`` defaults to the one given at construction (wrappers are unwrapped).
+        ``optimizer`` defaults to the one given at construction (wrappers are unwrapped). ``reference``
+        names what ε is measured from when it is not this monitor's θ_0 (e.g. "from checkpoint-20; θ₀ unknown").
         """
         info = describe_optimizer(optimizer) if optimizer is not None else self.optimizer_info
         record = self.last if record is None else record
         verdicts = self.verdicts(record, threshold=threshold)
         step = record.get("step") if record is not None else None
-        line = summary_line(verdicts, info, step=step, threshold=threshold, rescaled=bool(self.weight_decay))
+        line = summary_line(verdicts, info, step=step, threshold=threshold, rescaled=bool(self.weight_decay),
+                            reference=reference)
+        title = summary_title(verdicts, info, step=step, rescaled=bool(self.weight_decay), reference=reference)
         return {"step": step, "threshold": threshold, "verdicts": [v.as_dict() for v in verdicts],
-                "optimizer": info.as_dict() if info is not None else None, "line": line}
+                "optimizer": info.as_dict() if info is not None else None, "line": line, "title": title}
 
     def uncovered_list(self) -> list[dict[str, str]]:
         """The blocks no law covers, as ``[{block, reason}]`` (they are not measured)."""
@@ -486,9 +561,12 @@ class ConservationMonitor:
         return [k for k in self._keys if k.startswith(kind + "/") and "@" not in k]
 
     def state_dict(self) -> dict[str, Tensor]:
-        """θ_0's law values and ε's denominators (for resume: restore before continuing)."""
+        """θ_0's law values, ε's denominators and the plain-SGD prediction (for resume: restore before continuing)."""
         digest = torch.tensor(list(bytes.fromhex(self.fingerprint())), dtype=torch.uint8)
-        return {"h0": self.h0.clone(), "denominator": self._h0_norm.clone(), "fingerprint": digest}
+        state = {"h0": self.h0.clone(), "denominator": self._h0_norm.clone(), "fingerprint": digest}
+        if self.prediction is not None:
+            state.update({f"sgd_{k}": v for k, v in self.prediction.state_dict().items()})
+        return state
 
     def load_state_dict(self, state: Mapping[str, Tensor]) -> None:
         """Restore θ_0's values and denominators; a state saved for other laws or shapes is refused."""
@@ -508,3 +586,11 @@ class ConservationMonitor:
                 raise FlowgeomError(f"monitor state has {denominator.numel()} denominators, this monitor tracks "
                                     f"{self._h0_norm.numel()} laws; it was saved for another model")
             self._h0_norm = denominator.to(torch.float64).clone()
+        saved = {k[4:]: v for k, v in state.items() if k.startswith("sgd_")}
+        if saved:  # the prediction continues (a resume) or is replayed (conserve drift reads it from a checkpoint)
+            if self.prediction is None:
+                self.prediction = SGDPrediction(self)
+            self.prediction.load_state_dict(saved)
+        elif self.prediction is not None:  # saved without it: the steps before the resume are unknown
+            self.close()
+            self.prediction = None

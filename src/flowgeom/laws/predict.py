@@ -1,4 +1,31 @@
-"""Predicted drift of the laws beyond gradient flow (Kunin et al., ICLR 2021, "Neural Mechanics").
+"""Predicted drift of the laws: exact for plain SGD, Kunin et al.'s modified equation beyond it.
+
+**Plain SGD: exact** (:class:`SGDPrediction`). For a quadratic law h(θ) = θᵀAθ
+and one step θ' = θ − Δ with Δ = τg,
+
+    h(θ') − h(θ) = −⟨∇h(θ), Δ⟩ + h(Δ),
+
+with no remainder. Conservation is ⟨∇h(θ), g⟩ = 0 for the gradient of any
+batch's loss, so the step moves h by exactly h(Δ) = τ²·h(g), and after k steps
+h(θ_k) = h(θ_0) + Σ_j τ_j²·h(g_j). A linear law (degree 1: h(θ') − h(θ) =
+−⟨∇h, Δ⟩) does not move at all. Nothing is approximated, so the measured h may
+differ from the predicted one only by round-off; a larger gap means the
+optimiser's steps were not along the gradients of a loss the law is a symmetry
+of: the law is broken. Per-group learning rates enter through Δ_p = τ_p·g_p (a
+law whose parameters get different rates is preconditioned, and then the first-
+order term, not the prediction, shows).
+
+Round-off. The optimiser stores θ' in the weights' dtype, which moves every
+entry by at most u·|θ'_i| (u: the dtype's unit round-off, 2^-24 for float32);
+for the laws of the catalogue (differences of squared norms of slices, so
+‖A‖₂ ≤ 1 per law) that moves h by at most 2u·S, with S = Σ_p ‖p‖²_F over the
+parameters the law reads (S^{1/2} for a linear law). The gradient itself is
+computed in the weights' dtype, which leaves a first-order term of the same
+order. The tolerance is ROUNDOFF_SAFETY·Σ_k u·S_k over the steps, plus the
+float64 evaluation of h (n·2^-53·S per evaluation, n the longest dimension the
+law sums over).
+
+**Beyond plain SGD** (:class:`DriftPredictor`, Kunin et al., ICLR 2021, "Neural Mechanics").
 
 Kunin et al. write SGD with step η, momentum β and weight decay λ as the
 *modified equation* (time t = kη; torch's heavy ball v ← βv + g + λθ,
@@ -44,6 +71,8 @@ import torch
 from torch import Tensor
 
 from flowgeom.errors import FlowgeomError
+
+ROUNDOFF_SAFETY = 4.0  # × the per-step bound 2u·S of the module docstring (covers the gradient's own round-off)
 
 
 class DriftPredictor:
@@ -169,3 +198,93 @@ def hyper_of(optimizer: Any, names: list[str], params: list[Tensor]) -> dict[str
             out[n] = {"lr": float(g["lr"]), "momentum": float(g.get("momentum", 0.0) or 0.0),
                       "weight_decay": float(g.get("weight_decay", 0.0) or 0.0)}
     return out
+
+
+class SGDPrediction:
+    """The exact drift of the laws under plain SGD: ĥ_k = h(θ_0) + Σ_j h(Δ_j), Δ_j = τ_j·g_j (module docstring).
+
+    Fed by :class:`~flowgeom.laws.monitor.ConservationMonitor` from a step hook of the optimiser (the
+    gradient the step used, clipping included, and the learning rate of that step). Quadratic laws
+    (degree 2) are driven by h(Δ); linear laws (degree 1) are predicted not to move; controls and
+    refuted claims, and laws of any other degree, have no prediction. :meth:`compare` gives, per
+    family, ``pred/…`` (ε of ĥ), ``pred_err/…`` (‖h − ĥ‖ / ‖h − h_0‖) and ``pred_excess/…`` (the
+    largest ‖h_i − ĥ_i‖ / tolerance_i over the family's laws: ≤ 1 is round-off).
+    """
+
+    def __init__(self, monitor: Any):
+        self.monitor = monitor
+        seg = monitor._seg  # (total,) item of each value
+        quad = [t.kind == "eps" and t.law.degree == 2 for t in monitor.items]
+        self.covered = torch.tensor([t.kind == "eps" and t.law.degree in (1, 2) for t in monitor.items])  # (items,)
+        self._quad = torch.tensor(quad, dtype=torch.float64)[seg]  # (total,) 1: driven by h(Δ), 0: does not move
+        self._halves = torch.tensor([t.law.degree / 2 for t in monitor.items], dtype=torch.float64)  # S^(d/2)
+        index = {n: i for i, n in enumerate(monitor.param_names)}
+        params = dict(zip(monitor.param_names, monitor._params))
+        member = torch.zeros(len(monitor.items), len(index), dtype=torch.float64)  # (items, params)
+        unit, longest = [], []
+        for i, t in enumerate(monitor.items):
+            for n in set(t.law.params):
+                member[i, index[n]] = 1.0
+            unit.append(max(torch.finfo(params[n].dtype).eps / 2 for n in t.law.params))
+            longest.append(max(max(params[n].shape, default=1) for n in t.law.params))
+        self._member = member
+        self._unit = torch.tensor(unit, dtype=torch.float64)                            # (items,)
+        self._eval = 2.0 * torch.tensor(longest, dtype=torch.float64) * (torch.finfo(torch.float64).eps / 2)
+        self.reset()
+
+    def reset(self) -> None:
+        """Start from the monitor's θ_0: ĥ = h(θ_0), no step, no round-off yet."""
+        self.h = self.monitor.h0.clone()                                     # (total,) predicted h
+        self.roundoff = torch.zeros(len(self.monitor.items), dtype=torch.float64)  # (items,) Σ_k u·S_k
+        self.steps = 0
+
+    def scale(self, params: Sequence[Tensor]) -> Tensor:
+        """S^(d/2) per item at ``params`` (the monitor's parameters, in its order): (items,)."""
+        sq = torch.stack([torch.linalg.vector_norm(p.detach(), dtype=torch.float64) ** 2 for p in params])
+        return (self._member @ sq) ** self._halves
+
+    @torch.no_grad()
+    def advance(self, drive: Tensor, scale: Tensor) -> None:
+        """One optimiser step: ``drive`` = h(Δ) (total,), ``scale`` = S^(d/2) per item after the step (items,)."""
+        self.h = self.h + self._quad * drive.to(torch.float64)
+        self.roundoff = self.roundoff + self._unit * scale
+        self.steps += 1
+
+    def tolerance(self, scale: Tensor) -> Tensor:
+        """The round-off allowed to ‖h_i − ĥ_i‖ per item (items,), ``scale`` = S^(d/2) now."""
+        return 2.0 * ROUNDOFF_SAFETY * self.roundoff + 2.0 * self._eval * scale
+
+    def compare(self, values: Tensor, scale: Tensor) -> dict[str, float]:
+        """``pred/…``, ``pred_err/…`` and ``pred_excess/…`` per law family for the measured ``values`` (total,)."""
+        mon = self.monitor
+        cov = self.covered[mon._seg]
+        zero = torch.zeros_like(self.h)
+        h, hp, h0 = (torch.where(cov, x, zero) for x in (values, self.h, mon.h0))
+        out = {k: v for k, v in mon.aggregate(mon.relative(hp, h0), "pred").items() if "@" not in k}
+        gap_abs = mon._segment_norm(h - hp)                                  # (items,) ‖h_i − ĥ_i‖
+        gaps, drifts = mon.aggregate(mon.relative(h, hp), "g"), mon.aggregate(mon.relative(h, h0), "g")
+        excess = gap_abs / self.tolerance(scale).clamp_min(torch.finfo(torch.float64).tiny)
+        worst: dict[str, float] = {}
+        for t, covered, x in zip(mon.items, self.covered.tolist(), excess.tolist()):
+            if covered:
+                worst[t.family] = max(worst.get(t.family, 0.0), x)
+        for key, g in gaps.items():
+            fam = key[2:]
+            if "@" in fam or fam not in worst:
+                continue
+            d = drifts[key]
+            out[f"pred_err/{fam}"] = g / d if d > 0 else (0.0 if g == 0 else float("inf"))
+            out[f"pred_excess/{fam}"] = worst[fam]
+        return {k: v for k, v in out.items() if k.split("/", 1)[1] in worst}
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return {"h": self.h.clone(), "roundoff": self.roundoff.clone(),
+                "steps": torch.tensor(self.steps, dtype=torch.int64)}
+
+    def load_state_dict(self, state: Mapping[str, Tensor]) -> None:
+        h, roundoff = state["h"], state["roundoff"]
+        if h.shape != self.h.shape or roundoff.shape != self.roundoff.shape:
+            raise FlowgeomError(f"saved SGD prediction has {h.numel()} values, this monitor tracks {self.h.numel()}; "
+                                "it was saved for another model")
+        self.h, self.roundoff = h.to(torch.float64).clone(), roundoff.to(torch.float64).clone()
+        self.steps = int(state["steps"])

@@ -14,11 +14,23 @@ no longer distinguishable from an ordinary function of the weights. A ratio
 cannot be formed while the controls have not moved (step 0): the verdict is
 then "n/a".
 
+**Plain SGD with the exact prediction.** Where the monitor saw the optimiser's
+steps (:class:`flowgeom.laws.predict.SGDPrediction`), a record carries
+``pred/<family>`` and ``pred_excess/<family>``, and a quadratic family's
+verdict is no longer the ratio heuristic: "held" when the measured h equals
+the predicted h(θ_0) + Σ τ²·h(g) to round-off (``pred_excess`` ≤ 1), "broken"
+when it is beyond (``basis="prediction"``). A fixed threshold would call the
+expected O(τ²k) drift of a long run or a large step "broken"; the prediction
+does not. Linear families (degree 1) keep the ratio: they do not move under
+SGD, and their round-off (e.g. transformers' float32 router softmax in a
+float64 model) is not the weights' round-off the tolerance counts.
+
 What to expect depends on the optimiser (:func:`describe_optimizer`, which
 unwraps ``accelerate``'s ``AcceleratedOptimizer`` and any object holding an
 ``.optimizer``):
 
-- plain SGD: the laws are conserved up to the O(τ²k) finite-step term: held;
+- plain SGD: the laws are conserved up to the O(τ²k) finite-step term, which
+  the monitor predicts exactly when it sees the steps: held;
 - SGD + weight decay λ: quadratic laws decay as e^{−2λt} (Kunin et al., ICLR
   2021, "Neural Mechanics"): broken unless the monitor rescales them
   (``ConservationMonitor(weight_decay=λ, lr=τ)``);
@@ -27,7 +39,7 @@ unwraps ``accelerate``'s ``AcceleratedOptimizer`` and any object holding an
   ReLU network keeps none), so drift is expected, not a failure; compare with
   the predicted curve of :mod:`flowgeom.laws.predict`;
 - Adam / AdamW / others: the step is not along the gradient, so nothing is
-  conserved: broken, expected.
+  conserved and there is no prediction of the drift: broken, expected.
 """
 
 from __future__ import annotations
@@ -53,7 +65,7 @@ EXPECT = {
     "momentum": ("broken", f"SGD with momentum: the gradient-flow laws are lost under momentum ({MARCOTTE}); "
                            f"drift is expected, not a failure; compare with the predicted drift ({KUNIN})"),
     "adam": ("broken", "Adam-type optimiser: the step is not along the gradient, so no law of gradient flow "
-                       "is conserved; expect broken (not a failure)"),
+                       "is conserved and flowgeom has no prediction of the drift; expect broken (not a failure)"),
     "other": ("unknown", "optimiser not recognised: the laws are guaranteed only for plain SGD; no expectation"),
 }
 
@@ -142,6 +154,9 @@ class Verdict:
     ratio: float            # eps / control (nan when the controls have not moved)
     verdict: str            # "held" | "broken" | "n/a"
     linear: bool = False    # degree-1 laws: ε at round-off under SGD (no O(τ²k) term)
+    predicted: float = math.nan  # ε of the exact plain-SGD prediction (nan: none)
+    basis: str = "ratio"    # what decided the verdict: "ratio" (ε_law/ε_control) or "prediction" (within round-off)
+    excess: float = math.nan     # ‖h − ĥ‖ / round-off tolerance, worst law of the family (≤ 1: held; nan: none)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -158,7 +173,9 @@ def family_verdicts(record: Mapping[str, Any], *, controls_of: Mapping[str, Sequ
 
     ``controls_of`` maps ``eps/<family>`` to the control keys of its blocks
     (:meth:`ConservationMonitor.controls_of`); without it every per-family
-    ``control/…`` key of the record is averaged.
+    ``control/…`` key of the record is averaged. A non-linear family with
+    ``pred_excess/<family>`` in the record is judged by the exact plain-SGD
+    prediction instead (module docstring).
     """
     if not 0 < threshold < 1:
         raise FlowgeomError(f"threshold must lie in (0, 1), got {threshold}")
@@ -172,41 +189,103 @@ def family_verdicts(record: Mapping[str, Any], *, controls_of: Mapping[str, Sequ
         eps = float(record[key])
         ratio = eps / control if control > 0 else math.nan
         verdict = "n/a" if math.isnan(ratio) else ("held" if ratio < threshold else "broken")
-        out.append(Verdict(key[4:], eps, control, ratio, verdict, key in linear))
+        fam = key[4:]
+        excess = record.get(f"pred_excess/{fam}")
+        if isinstance(excess, (int, float)) and key not in linear:
+            predicted = float(record.get(f"pred/{fam}", math.nan))
+            verdict = "held" if excess <= 1.0 else "broken"
+            out.append(Verdict(fam, eps, control, ratio, verdict, False, predicted, "prediction", float(excess)))
+        else:
+            out.append(Verdict(fam, eps, control, ratio, verdict, key in linear))
     return out
 
 
+def _optimizer_text(info: OptimizerInfo | None) -> str:
+    if info is None:
+        return ""
+    hp = [f"lr={info.lr:g}"] if info.lr is not None else []
+    hp += [f"momentum={info.momentum:g}"] if info.momentum else []
+    hp += [f"weight_decay={info.weight_decay:g}"] if info.weight_decay else []
+    return f"{info.name}({', '.join(hp)}): " if hp else f"{info.name}: "
+
+
+def _head(verdicts: Sequence[Verdict], info: OptimizerInfo | None, step: int | None, reference: str | None) -> str:
+    """``step 40 (from …), SGD(lr=0.01): 3 law families held, 0 broken``."""
+    held = sum(v.verdict == "held" for v in verdicts)
+    broken = sum(v.verdict == "broken" for v in verdicts)
+    at = f"step {step}" if step is not None else ""
+    at += f" ({reference})" if reference else ""
+    at += ", " if at else ""
+    if not held and not broken:
+        return f"{at}{_optimizer_text(info)}no verdict yet (the controls have not moved)"
+    return f"{at}{_optimizer_text(info)}{held} law famil{'y' if held == 1 else 'ies'} held, {broken} broken"
+
+
+def _predicted(verdicts: Sequence[Verdict]) -> tuple[list[Verdict], list[Verdict], Verdict | None]:
+    """The families judged by the exact prediction, those of them broken, and the one to quote."""
+    exact = [v for v in verdicts if v.basis == "prediction"]
+    broken = [v for v in exact if v.verdict == "broken"]
+    quote = max(broken or exact, key=lambda v: v.eps) if exact else None
+    return exact, broken, quote
+
+
+def _expect(verdicts: Sequence[Verdict], info: OptimizerInfo | None, rescaled: bool) -> tuple[str, str]:
+    """(short tag, explanation) of the expected behaviour: ``as expected``, ``NOT as expected for …``, ``note``."""
+    exact, bad, quote = _predicted(verdicts)
+    rest = [v for v in verdicts if v.basis != "prediction" and v.verdict in ("held", "broken")]
+    if exact:  # plain SGD, steps seen: the verdict is the prediction's (the linear families keep their ratio)
+        off_rest = [v.family for v in rest if v.verdict != "held"]
+        if not bad and not off_rest:
+            return (f"as expected (discretisation drift, predicted {quote.predicted:.3e}, measured {quote.eps:.3e}; "
+                    f"largest: {quote.family})", "")
+        if bad:
+            return (f"NOT as expected for {', '.join(v.family for v in bad[:3])}",
+                    f"measured {quote.eps:.3e} exceeds the predicted discretisation drift {quote.predicted:.3e} "
+                    f"({quote.family}) beyond round-off; plain SGD moves a conserved quadratic law by exactly "
+                    "Σ τ²·h(g), so something else moved the weights")
+        return (f"NOT as expected for {', '.join(off_rest[:3])} (expected held)",
+                "plain SGD keeps a linear law exactly (no τ² term)")
+    if info is None:
+        return "", ""
+    held = [v for v in verdicts if v.verdict == "held"]
+    broken = [v for v in verdicts if v.verdict == "broken"]
+    expected, why = info.expected, info.explanation
+    if rescaled and info.kind == "sgd+wd":
+        expected, why = "held", "SGD with weight decay, laws rescaled by e^(dλt): expect held"
+    if expected == "unknown" or not (held or broken):
+        return "note", why
+    if all(v.verdict == expected for v in held + broken):
+        return "as expected", why
+    off = [v.family for v in held + broken if v.verdict != expected]
+    return f"NOT as expected for {', '.join(off[:3])} (expected {expected})", why
+
+
 def summary_line(verdicts: Sequence[Verdict], info: OptimizerInfo | None, *, step: int | None = None,
-                 threshold: float = HELD_THRESHOLD, rescaled: bool = False) -> str:
+                 threshold: float = HELD_THRESHOLD, rescaled: bool = False, reference: str | None = None) -> str:
     """One line: ``flowgeom: step 50, SGD(lr=0.1, momentum=0.9): 0 law families held, 3 broken (…) — as expected: …``.
 
     ``rescaled``: the monitor tracks e^{dλt}·h (``weight_decay=λ``), so SGD + weight decay should hold.
+    ``reference``: what ε is measured from, when it is not θ_0 (said after the step).
+    Families judged by the exact plain-SGD prediction give
+    ``… — as expected (discretisation drift, predicted X, measured Y): …``.
     """
-    held = [v for v in verdicts if v.verdict == "held"]
-    broken = [v for v in verdicts if v.verdict == "broken"]
-    at = f"step {step}, " if step is not None else ""
-    opt = ""
-    if info is not None:
-        hp = [f"lr={info.lr:g}"] if info.lr is not None else []
-        hp += [f"momentum={info.momentum:g}"] if info.momentum else []
-        hp += [f"weight_decay={info.weight_decay:g}"] if info.weight_decay else []
-        opt = f"{info.name}({', '.join(hp)}): " if hp else f"{info.name}: "
-    if not held and not broken:
-        counts = "no verdict yet (the controls have not moved)"
-    else:
-        worst = max(verdicts, key=lambda v: -1.0 if math.isnan(v.ratio) else v.ratio)
-        counts = (f"{len(held)} law famil{'y' if len(held) == 1 else 'ies'} held, {len(broken)} broken "
-                  f"(held: ε_law/ε_control < {threshold:g}; worst {worst.family} {worst.ratio:.2g})")
-    expect = ""
-    if info is not None:
-        expected, why = info.expected, info.explanation
-        if rescaled and info.kind == "sgd+wd":
-            expected, why = "held", "SGD with weight decay, laws rescaled by e^(dλt): expect held"
-        if expected == "unknown" or not (held or broken):
-            expect = f" — note: {why}"
-        elif all(v.verdict == expected for v in held + broken):
-            expect = f" — as expected: {why}"
+    head = _head(verdicts, info, step, reference)
+    decided = [v for v in verdicts if v.verdict in ("held", "broken")]
+    if decided:
+        exact, _, _ = _predicted(verdicts)
+        if exact:
+            head += " (held: the measured drift is the predicted Σ τ²·h(g) to round-off)"
         else:
-            off = [v.family for v in held + broken if v.verdict != expected]
-            expect = f" — NOT as expected for {', '.join(off[:3])} (expected {expected}): {why}"
-    return f"flowgeom: {at}{opt}{counts}{expect}"
+            worst = max(verdicts, key=lambda v: -1.0 if math.isnan(v.ratio) else v.ratio)
+            head += f" (held: ε_law/ε_control < {threshold:g}; worst {worst.family} {worst.ratio:.2g})"
+    tag, why = _expect(verdicts, info, rescaled)
+    expect = (f" — {tag}" + (f": {why}" if why else "")) if tag else ""
+    return f"flowgeom: {head}{expect}"
+
+
+def summary_title(verdicts: Sequence[Verdict], info: OptimizerInfo | None, *, step: int | None = None,
+                  rescaled: bool = False, reference: str | None = None) -> str:
+    """The short form of :func:`summary_line` for a figure: the counts, then the expectation's tag (two lines)."""
+    tag, _ = _expect(verdicts, info, rescaled)
+    head = _head(verdicts, info, step, reference)
+    return f"{head}\n{tag}" if tag and tag != "note" else head
