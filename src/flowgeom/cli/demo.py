@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from flowgeom.cli._common import command, console
+from flowgeom.cli._common import command, console, positive_int
 
 # What the README says the tour takes (measured with `make demo`, docs/benchmarks.md).
 README_TOUR_SECONDS = 6 * 60
@@ -57,8 +57,13 @@ def run_demo(args: argparse.Namespace) -> int:
     if args.skip_reproduce:
         return 0
     out.rule("3/3  every seed claim: flowgeom reproduce all --quick")
-    # resume=True: a second `make demo` reuses the finished runs instead of refusing the folder.
-    report = run("all", scale="quick", out=args.out, resume=True, skip_heavy=True)
+    # resume=True: a second `make demo` reuses the finished runs instead of refusing the folder. One run per core,
+    # each at one thread: the tour's models are tiny, and threads of one run that wait for each other at every
+    # op are what made the tour collapse under load (reproduce/sweep.py, docs/benchmarks.md).
+    from flowgeom.reproduce.sweep import available_cores
+
+    report = run("all", scale="quick", out=args.out, resume=True, skip_heavy=True,
+                 jobs=args.jobs or available_cores())
     print_summary(report)
     _print_left_out(out)
     out.print(tour_line(time.monotonic() - t0, kept=report["sweep"]["skipped"]), markup=False, highlight=False)
@@ -91,3 +96,6 @@ def register(sub) -> None:
                 example="flowgeom demo\nflowgeom demo --out runs/demo --skip-reproduce", func=run_demo)
     p.add_argument("--out", default="runs/demo", help="sweep folder of the reproduce step (default runs/demo; rerunning resumes it)")
     p.add_argument("--skip-reproduce", action="store_true", help="only the two law tables (seconds)")
+    p.add_argument("--jobs", type=positive_int(maximum=1024), default=None,
+                   help="runs in parallel (default: the cores this process may use, one thread per run; never "
+                        "more runs × threads than those cores)")

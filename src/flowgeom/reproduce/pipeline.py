@@ -93,7 +93,7 @@ def reproduce(claims: Sequence[Any], *, out: str | Path, scale: str = "quick", b
     ``"sweep"`` (per-run outcomes; ``sweep["failed"]`` counts failures).
     """
     from flowgeom.reproduce.registry import SEEDS
-    from flowgeom.reproduce.sweep import check_out, plan, run_sweep
+    from flowgeom.reproduce.sweep import check_out, plan, run_sweep, thread_budget
     from flowgeom.report.machine import machine_info
     from flowgeom.report.render import REPORT_JSON, write_report
     from flowgeom.runs import atomic_write_json
@@ -111,7 +111,8 @@ def reproduce(claims: Sequence[Any], *, out: str | Path, scale: str = "quick", b
 
     # Lines, never silent for more than ~10 s: a run can take minutes (reproduce/progress.py)
     err = Console(stderr=True, highlight=False, soft_wrap=True)
-    ticker = Ticker(len(specs), lambda line: err.print(line, markup=False), jobs=jobs if backend == "local" else 1,
+    ticker = Ticker(len(specs), lambda line: err.print(line, markup=False),
+                    jobs=thread_budget(jobs)[0] if backend == "local" else 1,
                     groups={spec.key: spec.claim_id for spec in specs})
 
     def on_start(spec):

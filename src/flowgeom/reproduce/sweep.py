@@ -32,7 +32,19 @@ cannot be moved it is refused: the run is reported failed, never reused.
 Backends: ``local`` runs sequentially in this process (``jobs=1``) or in a
 spawn-context process pool (``jobs>1``); ``ray`` submits one Ray task per run
 (``ray`` is imported only then; run folders must lie on a path every node
-sees). A run that raises, a write that fails (disk full, unwritable folder)
+sees).
+
+Cores: a local sweep never asks for more threads than the cores this process
+may use (``os.sched_getaffinity``): ``jobs`` is capped at the cores and each
+run gets ``cores // jobs`` torch/BLAS threads (:func:`thread_budget`).
+Oversubscribed, the quick tour's tiny models spend their time in OpenMP
+barriers: each parallel region waits for a thread the kernel has
+descheduled, and libgomp's waiting threads spin meanwhile (beside two
+busy-loop processes the tour took 7.7× its idle time on 2 cores, where a
+fair share is 2×; benchmarks/tour_load.py, docs/benchmarks.md). Pool workers
+are therefore started with ``OMP_WAIT_POLICY=PASSIVE`` and the thread counts
+in their environment (:func:`worker_env`), read by libgomp and OpenBLAS when
+torch and scipy load, before any run; a variable the user set is kept. A run that raises, a write that fails (disk full, unwritable folder)
 or a worker that dies is recorded as a failed :class:`Outcome` with the
 reason; every other run still finishes and keeps its result.
 """
@@ -48,7 +60,8 @@ import shutil
 import sys
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -131,12 +144,79 @@ def check_out(out: str | os.PathLike, specs: Sequence[RunSpec], *, resume: bool)
             )
 
 
-def execute(spec: RunSpec, resume: bool) -> Outcome:
-    """Run one spec into its folder (module-level: pools and Ray pickle it).
+def available_cores() -> int:
+    """The cores this process may run on (its CPU affinity), not the machine's count."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # no sched_getaffinity (macOS, Windows)
+        return max(1, os.cpu_count() or 1)
+
+
+def thread_budget(jobs: int, cores: int | None = None) -> tuple[int, int]:
+    """``(jobs, threads per run)`` with ``jobs × threads ≤ cores``: ``jobs`` capped at the cores, the rest as threads.
+
+    >>> thread_budget(1, 2), thread_budget(2, 2), thread_budget(8, 2), thread_budget(3, 8)
+    ((1, 2), (2, 1), (2, 1), (3, 2))
+    """
+    cores = available_cores() if cores is None else max(1, cores)
+    jobs = min(max(1, jobs), cores)
+    return jobs, cores // jobs
+
+
+# What a pool worker's environment sets before torch, libgomp, MKL and OpenBLAS load (they read it once, at load).
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+
+
+def worker_env(threads: int, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The variables a worker process starts with: ``threads`` for OpenMP, MKL and OpenBLAS, and OpenMP threads
+    that sleep instead of spinning while they wait (``OMP_WAIT_POLICY=PASSIVE``). Variables already set in
+    ``environ`` (default ``os.environ``) are the user's choice and are left out."""
+    environ = os.environ if environ is None else environ
+    wanted = {name: str(threads) for name in THREAD_VARIABLES} | {"OMP_WAIT_POLICY": "PASSIVE"}
+    return {k: v for k, v in wanted.items() if k not in environ}
+
+
+@contextmanager
+def _environment(variables: Mapping[str, str]) -> Iterator[None]:
+    """``os.environ`` with ``variables`` added while the block runs (spawned workers inherit it), then as before."""
+    added = [k for k in variables if k not in os.environ]
+    os.environ.update({k: variables[k] for k in added})
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
+
+
+@contextmanager
+def run_threads(threads: int | None) -> Iterator[None]:
+    """torch and the BLAS/OpenMP libraries at ``threads`` threads inside the block (None: unchanged), then as before."""
+    if not threads:
+        yield
+        return
+    import torch
+    from threadpoolctl import threadpool_limits
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with threadpool_limits(limits=threads):
+            yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def execute(spec: RunSpec, resume: bool, threads: int | None = None) -> Outcome:
+    """Run one spec into its folder (module-level: pools and Ray pickle it), at ``threads`` threads (None: as set).
 
     Never raises for a failing run: the exception becomes a failed Outcome
     (and, when the folder is writable, ``error.txt`` with the traceback).
     """
+    with run_threads(threads):
+        return _execute(spec, resume)
+
+
+def _execute(spec: RunSpec, resume: bool) -> Outcome:
     try:  # a run folder (or a folder above it) planted as a link would carry every write outside the sweep
         confined(_root(spec), spec.path, "run folder")
     except FlowgeomError as exc:
@@ -312,10 +392,15 @@ def run_sweep(specs: Sequence[RunSpec], *, backend: str = "local", jobs: int = 1
 
     ``on_start``/``on_done`` are called in this process (progress display).
     Results come back in ``specs`` order whatever the completion order.
+    A local sweep runs at most as many runs at once as this process has cores,
+    each at ``cores // jobs`` threads (:func:`thread_budget`).
     """
     if backend not in BACKENDS:
         raise choice_error("backend", backend, BACKENDS)
     positive_int(jobs, "--jobs")
+    threads = 1
+    if backend == "local":
+        jobs, threads = thread_budget(jobs)
     start = time.perf_counter()
     on_start = on_start or (lambda spec: None)
     user_done = on_done or (lambda spec, outcome: None)
@@ -346,10 +431,11 @@ def run_sweep(specs: Sequence[RunSpec], *, backend: str = "local", jobs: int = 1
         done = {}
         for spec in todo:
             on_start(spec)
-            done[spec.key] = execute(spec, resume)
+            done[spec.key] = execute(spec, resume, threads)
             on_done(spec, done[spec.key])
     else:
-        done = _run_pool(todo, resume=resume, jobs=jobs, on_start=on_start, on_done=on_done)
+        with _environment(worker_env(threads)):  # the workers read it when they start, before torch loads
+            done = _run_pool(todo, resume=resume, jobs=jobs, threads=threads, on_start=on_start, on_done=on_done)
     for spec in specs:
         if spec.key in refused:
             done[spec.key] = refused[spec.key]
@@ -357,8 +443,8 @@ def run_sweep(specs: Sequence[RunSpec], *, backend: str = "local", jobs: int = 1
     return SweepResult(tuple(done[s.key] for s in specs), time.perf_counter() - start, backend)
 
 
-def _run_pool(specs, *, resume, jobs, on_start, on_done) -> dict[str, Outcome]:
-    """A spawn process pool with at most ``jobs`` runs in flight.
+def _run_pool(specs, *, resume, jobs, threads, on_start, on_done) -> dict[str, Outcome]:
+    """A spawn process pool with at most ``jobs`` runs in flight, each at ``threads`` threads.
 
     If a worker dies (killed, segfault, out of memory) the pool breaks and
     every run in flight dies with it. Those runs become suspects: each is
@@ -379,7 +465,7 @@ def _run_pool(specs, *, resume, jobs, on_start, on_done) -> dict[str, Outcome]:
                 while batch and len(flying) < (1 if alone else jobs):
                     spec, res = batch[0]
                     try:
-                        future = pool.submit(execute, spec, res)
+                        future = pool.submit(execute, spec, res, threads)
                     except cf.process.BrokenProcessPool:  # a worker died between two submissions
                         broken = True
                         break
@@ -436,7 +522,7 @@ def _run_ray(specs, *, resume, jobs, on_start, on_done) -> dict[str, Outcome]:
         refs = {}
         for spec in specs:
             on_start(spec)
-            refs[task.remote(spec, resume)] = spec
+            refs[task.remote(spec, resume, 1)] = spec  # num_cpus=1: one thread
         done: dict[str, Outcome] = {}
         pending = list(refs)
         while pending:
