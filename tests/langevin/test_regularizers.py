@@ -73,3 +73,16 @@ def test_select_errors():
     for kw in (dict(pattern="lora_A"), dict(names=["nope"]), dict(preset="mlp"), dict(pattern="("), {}):
         with pytest.raises(FlowgeomError):
             select(attn, **kw)
+
+
+def test_power_regulariser_is_twice_differentiable_at_zero():
+    """PEFT starts lora_B at 0: autograd's Hessian of ‖W‖^{2+ε} there must be the closed form's 0, not NaN."""
+    from flowgeom.langevin.villani import laplacian_exact
+
+    reg = Regularizer("power", lam=0.01, eps=0.5)
+    zero = torch.zeros(6, dtype=torch.float64)
+    assert float(reg.value(zero.view(2, 3))) == 0.0
+    assert float(laplacian_exact(lambda th: reg.value(th.view(2, 3)), zero)) == float(reg.laplacian(zero.view(2, 3))) == 0.0
+    theta = torch.linspace(-1, 1, 6, dtype=torch.float64)
+    assert float(laplacian_exact(lambda th: reg.value(th.view(2, 3)), theta)) == pytest.approx(
+        float(reg.laplacian(theta.view(2, 3))), rel=1e-12)

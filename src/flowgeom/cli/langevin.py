@@ -18,7 +18,11 @@ REGS = ("none", "log", "power", "frobenius")
 def run_villani(args: argparse.Namespace) -> int:
     from flowgeom.langevin import Regularizer, objective, plot, probe
 
-    obj = objective(args.loss, seed=args.seed)
+    if args.target and args.loss:
+        from flowgeom.errors import FlowgeomError
+
+        raise FlowgeomError(f"give either a built-in --loss or your own {args.target!r}, not both")
+    obj = objective(args.target or args.loss or "attention", seed=args.seed)
     if args.reg != "none":
         obj = obj.with_regularizer(Regularizer(args.reg, lam=args.lam, eps=args.eps))
     _check_probe_memory(obj.dim, args)
@@ -29,8 +33,10 @@ def run_villani(args: argparse.Namespace) -> int:
     if args.json:
         print_json(asdict(report))
         return 0
+    from rich.markup import escape
+
     out = console()
-    out.print(f"[bold]{report.objective}[/] + reg [bold]{report.regularizer}[/], s={report.temperature:g}, "
+    out.print(f"[bold]{escape(report.objective)}[/] + reg [bold]{report.regularizer}[/], s={report.temperature:g}, "
               f"D={report.dim}, ΔV {'exact' if report.exact else 'Hutchinson'}: verdict [bold]{report.verdict}[/]")
     for i, p in enumerate(report.paths):
         mid = len(p.radius) // 2
@@ -148,9 +154,15 @@ def register(sub) -> None:
 
     p = command(verbs, "villani", help="probe the Villani condition of a loss along rays and symmetry orbits",
                 example="flowgeom langevin villani --loss attention --reg log --lam 0.01 --figure villani.png\n"
-                        "flowgeom langevin villani --loss norm1 --json",
+                        "flowgeom langevin villani --loss norm1 --json\n"
+                        "flowgeom langevin villani examples/langevin_lora.py:make --reg log   # your own model",
                 func=run_villani)
-    p.add_argument("--loss", default="attention", choices=["attention", "lora", "norm2", "norm1"], help="the potential V")
+    p.add_argument("target", nargs="?", metavar="FILE.py:NAME",
+                   help="your own loss: NAME is a zero-argument factory in FILE.py (or package.module:NAME) returning "
+                        "(loss_fn, theta0) or an Objective; PEFT LoRA pairs in theta0 are probed along their orbit "
+                        "(docs/langevin.md)")
+    p.add_argument("--loss", choices=["attention", "lora", "norm2", "norm1"],
+                   help="a built-in potential V (default attention when no FILE.py:NAME is given)")
     p.add_argument("--reg", default="none", choices=REGS, help="regulariser added to V")
     p.add_argument("--temperature", type=positive_float, default=1.0, help="temperature s > 0 (default 1)")
     p.add_argument("--rays", type=positive_int, default=3, help="random rays >= 1 (default 3)")

@@ -3,7 +3,8 @@
 Public API: the :class:`Langevin` optimiser over the pure core
 (:func:`build` / :func:`init` / :func:`update`), the :class:`Regularizer`
 (log / power / frobenius) with :func:`select`, the paper's losses and their
-symmetry orbits, and the Villani :func:`probe`.
+symmetry orbits, a user's own loss (:func:`loss_objective`, :func:`load_objective`
+for ``FILE.py:NAME``), and the Villani :func:`probe`.
 """
 
 from flowgeom.langevin.losses import (
@@ -20,11 +21,12 @@ from flowgeom.langevin.losses import (
 )
 from flowgeom.langevin.optimizer import Langevin, LangevinState, LangevinTransform, build, check_loss, init, update
 from flowgeom.langevin.regularizers import KINDS, PRESETS, Regularizer, chain, select
+from flowgeom.langevin.user_loss import load_objective, loss_objective
 from flowgeom.langevin.villani import VillaniReport, derivatives, orbit_integral, plot, probe
 
 __all__ = [
     "KINDS", "LOSSES", "PRESETS", "Langevin", "LangevinState", "LangevinTransform", "build", "chain", "init",
     "update", "Objective", "Regularizer", "VillaniReport", "attention_loss",
-    "attention_objective", "attention_orbit", "check_loss", "derivatives", "lora_loss", "lora_objective",
-    "lora_orbit", "norm_objective", "objective", "orbit_integral", "plot", "probe", "select",
+    "attention_objective", "attention_orbit", "check_loss", "derivatives", "load_objective", "lora_loss",
+    "lora_objective", "lora_orbit", "loss_objective", "norm_objective", "objective", "orbit_integral", "plot", "probe", "select",
 ]

@@ -32,6 +32,7 @@ view (for ``torch.func``) and its symmetry orbit; the textbook potentials
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -88,6 +89,7 @@ class Objective:
     orbit_fn: Callable[[Params, torch.Tensor], Params] | None = None
     orbit_dim: int = 0
     regularizer: Regularizer = field(default_factory=lambda: Regularizer("none"))
+    theta0: Params | None = None  # where the probe starts (a user's model: its weights); None: a random point
 
     @property
     def dim(self) -> int:
@@ -111,7 +113,7 @@ class Objective:
         return self(self.unflatten(theta))
 
     def with_regularizer(self, regularizer: Regularizer) -> Objective:
-        return Objective(self.name, self.shapes, self.loss, self.orbit_fn, self.orbit_dim, regularizer)
+        return dataclasses.replace(self, regularizer=regularizer)
 
     def orbit(self, theta: torch.Tensor, t: float) -> torch.Tensor:
         """The point ``M_t · θ`` of the symmetry orbit through ``θ`` (flat in, flat out)."""
@@ -176,7 +178,11 @@ LOSSES = ("attention", "lora", "norm2", "norm1")
 
 
 def objective(name: str, *, seed: int = 0) -> Objective:
-    """One of :data:`LOSSES` at its default (small) size."""
+    """One of :data:`LOSSES` at its default (small) size, or a user's ``FILE.py:NAME`` (:mod:`flowgeom.langevin.user_loss`)."""
+    if name not in LOSSES and ":" in name:
+        from flowgeom.langevin.user_loss import load_objective
+
+        return load_objective(name, seed=seed)
     if name == "attention":
         return attention_objective(seed=seed)
     if name == "lora":
@@ -185,4 +191,4 @@ def objective(name: str, *, seed: int = 0) -> Objective:
         return norm_objective(2)
     if name == "norm1":
         return norm_objective(1)
-    raise choice_error("loss", name, LOSSES)
+    raise choice_error("loss", name, (*LOSSES, "path/to/file.py:NAME"))

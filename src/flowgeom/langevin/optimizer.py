@@ -62,7 +62,7 @@ from typing import Any, NamedTuple
 import torch
 
 from flowgeom.errors import FlowgeomError, finite_number, positive_int
-from flowgeom.langevin.regularizers import GradTransform
+from flowgeom.langevin.regularizers import GradTransform, check_transform_names
 
 Schedule = float | Callable[[int], float]
 _SCHEDULED = ("lr", "temperature")
@@ -266,10 +266,21 @@ class Langevin(torch.optim.Optimizer):
             non-finite parameter (a blown-up chain), naming the step.
         check_every: run that check every ``check_every`` steps (it reads a
             value back from the device: on a GPU it costs a synchronisation).
-        grad_transform: ``(grads, params) -> grads`` over dicts keyed by the
-            parameter names of each group (given as ``named_parameters()``)
-            or, without names, by the position in the group (``"0"``, ``"1"``, …);
-            e.g. ``Regularizer("log").transform()`` adds ``∇R``.
+        grad_transform: ``(grads, params) -> grads``, called once per step over
+            the dicts of every parameter with a gradient, all groups together,
+            keyed by the names given with them (``named_parameters()`` pairs,
+            or groups ``{"params": [(name, p), …]}``) or, without names, by
+            the position among all the optimiser's parameters (``"0"``, ``"1"``, …);
+            e.g. ``Regularizer("log").transform(names)`` adds ``∇R``. A
+            transform that names parameters (``.names``) is checked here,
+            before any step: the optimiser must have been given names, and
+            these names among them.
+
+    Example (PEFT LoRA, regularising only the adapter factors)::
+
+        reg = Regularizer("log", lam=1e-3)
+        opt = Langevin(model.named_parameters(), lr=1e-3, temperature=1e-4,
+                       grad_transform=reg.transform(select(model, preset="lora")))
     """
 
     def __init__(self, params: Iterable[Any], lr: Schedule, temperature: Schedule, *,
@@ -277,7 +288,14 @@ class Langevin(torch.optim.Optimizer):
                  check_finite: bool = True, check_every: int = 1, grad_transform: GradTransform | None = None):
         check_hyper(lr, temperature)
         defaults = {"lr": lr, "temperature": temperature}
-        super().__init__(params, defaults)
+        try:
+            super().__init__(params, defaults)
+        except ValueError as exc:  # torch: named and unnamed groups mixed
+            if "names" not in str(exc):
+                raise
+            raise FlowgeomError(f"Langevin got some parameter groups with names and some without ({exc}); "
+                                "give every group (name, parameter) pairs, e.g. "
+                                "{'params': list(model.named_parameters())}, or none of them") from None
         self.foreach = bool(foreach)
         self.check_finite = bool(check_finite)
         self.check_every = positive_int(check_every, "Langevin check_every", fix="check the weights every N >= 1 steps")
@@ -288,6 +306,13 @@ class Langevin(torch.optim.Optimizer):
             generator = torch.Generator(device=device)
             generator.manual_seed(int(seed))
         self.generator = generator
+        check_transform_names(grad_transform, self._names())
+
+    def _names(self) -> list[str] | None:
+        """Every parameter's name in group order, or None when the parameters came without names."""
+        if not all(group.get("param_names") for group in self.param_groups):
+            return None
+        return [n for group in self.param_groups for n in group["param_names"]]
 
     # -- state -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -353,14 +378,25 @@ class Langevin(torch.optim.Optimizer):
         return LangevinState(self.step_count, self.generator.get_state(), str(self.generator.device))
 
     # -- the update ---------------------------------------------------------------------------
-    def _grads(self, group: dict[str, Any], params: list[torch.Tensor]) -> list[torch.Tensor]:
-        grads = [p.grad for p in params]
-        if self.grad_transform is None:
-            return grads
-        all_names = group.get("param_names") or [str(i) for i in range(len(group["params"]))]
-        names = [n for n, p in zip(all_names, group["params"]) if p.grad is not None]
-        out = self.grad_transform(dict(zip(names, grads)), dict(zip(names, params)))
-        return [out[n] for n in names]
+    def _transformed(self, live: list[list[int]]) -> list[torch.Tensor]:
+        """``grad_transform`` applied once to the gradients of every group; flat, in ``live`` order.
+
+        ``live[g]``: the indices (within group ``g``) of the parameters with a gradient.
+        """
+        flat = [(group["params"][i], key) for group, idx, keys in zip(self.param_groups, live, self._keys())
+                for i, key in ((i, keys[i]) for i in idx)]
+        grads = {key: p.grad for p, key in flat}
+        out = self.grad_transform(grads, {key: p for p, key in flat})
+        return [out[key] for _, key in flat]
+
+    def _keys(self) -> list[list[str]]:
+        """Per group, the keys its parameters have in ``grad_transform``'s dicts: names, or global positions."""
+        names, start, keys = self._names(), 0, []
+        for group in self.param_groups:
+            n = len(group["params"])
+            keys.append(names[start:start + n] if names is not None else [str(i) for i in range(start, start + n)])
+            start += n
+        return keys
 
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
@@ -370,13 +406,17 @@ class Langevin(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         k = self.step_count
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
+        live = [[i for i, p in enumerate(group["params"]) if p.grad is not None] for group in self.param_groups]
+        grads = iter(self._transformed(live) if self.grad_transform is not None else
+                     [group["params"][i].grad for group, idx in zip(self.param_groups, live) for i in idx])
+        for group, idx in zip(self.param_groups, live):
+            params = [group["params"][i] for i in idx]
+            group_grads = [next(grads) for _ in idx]
             if not params:
                 continue
             lr = _value(group["lr"], k, "lr")
             temperature = _value(group["temperature"], k, "temperature")
-            langevin_step(params, self._grads(group, params), lr=lr, temperature=temperature,
+            langevin_step(params, group_grads, lr=lr, temperature=temperature,
                           generator=self.generator, inplace=True, foreach=self.foreach)
             if self.check_finite and k % self.check_every == 0:
                 check_finite(params, k, lr, temperature, foreach=self.foreach)

@@ -73,8 +73,10 @@ class Regularizer:
         n = w.pow(2).sum()
         if self.kind == "log":
             return self.lam * n * torch.log1p(n)
-        if self.kind == "power":
-            return self.lam * n.pow(1 + self.eps / 2)
+        if self.kind == "power":  # n^{1+ε/2} is C² at W = 0, but autograd's second derivative of pow there is 0·∞
+            positive = n > 0
+            safe = torch.where(positive, n, torch.ones_like(n))
+            return self.lam * torch.where(positive, safe.pow(1 + self.eps / 2), torch.zeros_like(n))
         if self.kind == "frobenius":
             return self.lam * n
         return torch.zeros((), dtype=w.dtype, device=w.device)
@@ -133,10 +135,15 @@ class Regularizer:
     def transform(self, names: Iterable[str] | None = None) -> GradTransform:
         """The gradient transform ``g_n ↦ g_n + ∇R(θ_n)`` for ``n`` in ``names`` (all of ``params`` if ``None``).
 
-        Pure: returns a new dict; a selected name without a gradient gets
-        ``∇R`` alone (as :meth:`add_grad_` does); an unknown name is an error.
+        ``names``: parameter names as ``named_parameters()`` spells them (a
+        list, the dict :func:`select` returns, or ``(name, parameter)``
+        pairs). Pure: returns a new dict; a selected name without a gradient
+        gets ``∇R`` alone (as :meth:`add_grad_` does); a name that is not
+        being trained is an error that says why. The transform's ``.names``
+        holds the names (``None`` for all), so :class:`~flowgeom.langevin.Langevin`
+        checks them when it is built.
         """
-        chosen = None if names is None else tuple(names)
+        chosen = None if names is None else _names(names)
 
         def apply(grads: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             out = dict(grads)
@@ -145,17 +152,74 @@ class Regularizer:
             targets = params if chosen is None else chosen
             for n in targets:
                 if n not in params:
-                    raise FlowgeomError(f"regulariser names parameter {n!r}, which is not being trained; "
-                                        f"trained: {', '.join(params) or '(none)'}")
+                    raise FlowgeomError(_not_trained(n, list(params)))
                 g = self.grad(params[n])
                 out[n] = g if out.get(n) is None else out[n] + g
             return out
 
+        apply.names = chosen  # type: ignore[attr-defined]
         return apply
 
 
+HOW_TO_NAME = ("pass the parameters with their names: Langevin(model.named_parameters(), …), or groups "
+               "{'params': [(name, p) for name, p in model.named_parameters() if p.requires_grad]}")
+
+
+def _names(names: Iterable[object]) -> tuple[str, ...]:
+    """Parameter names from strings or ``(name, parameter)`` pairs; a tensor or other value is refused."""
+    if isinstance(names, str):
+        raise FlowgeomError(f"Regularizer.transform takes a list of parameter names, got the string {names!r}; "
+                            f"write transform([{names!r}])")
+    out = []
+    for item in names:
+        if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
+            item = item[0]  # a named_parameters() pair
+        if not isinstance(item, str):
+            raise FlowgeomError(f"Regularizer.transform takes parameter names (str), got a {type(item).__name__}; "
+                                "pass names such as select(model, preset='lora') or "
+                                "[n for n, p in model.named_parameters() if 'lora_' in n]")
+        out.append(item)
+    return tuple(out)
+
+
+def _listing(names: Sequence[str], limit: int = 8) -> str:
+    shown = ", ".join(names[:limit]) or "(none)"
+    return shown + (f", … ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+def _not_trained(name: str, keys: Sequence[str]) -> str:
+    """Why the regulariser cannot find ``name`` among the keys it was given, and the fix."""
+    if keys and all(k.isdigit() for k in keys):
+        return (f"regulariser names parameter {name!r}, but the optimiser was given its parameters without names "
+                f"(it knows them by position: {_listing(list(keys))}); {HOW_TO_NAME}")
+    return (f"regulariser names parameter {name!r}, which is not being trained (not given to the optimiser, frozen, "
+            f"or without a gradient this step); trained: {_listing(list(keys))}")
+
+
+def check_transform_names(transform: GradTransform | None, names: Sequence[str] | None) -> None:
+    """Before a first step: the parameter names ``transform`` needs (its ``.names``) are among ``names``.
+
+    ``names`` is None when the optimiser was given its parameters without names.
+    """
+    wanted = getattr(transform, "names", None)
+    if not wanted:
+        return
+    if names is None:
+        raise FlowgeomError(f"the gradient transform regularises parameters by name ({_listing(list(wanted), 3)}) but "
+                            f"the optimiser was given its parameters without names; {HOW_TO_NAME}")
+    known = set(names)
+    missing = [n for n in wanted if n not in known]
+    if missing:
+        raise FlowgeomError(f"the gradient transform names {_listing(missing, 3)}, which the optimiser was not given; "
+                            f"its parameters: {_listing(list(names))}; pass every parameter to regularise to the "
+                            "optimiser, or fix the names")
+
+
 def chain(*transforms: GradTransform) -> GradTransform:
-    """Compose gradient transforms left to right: ``chain(f, g)(grads, params) = g(f(grads, params), params)``."""
+    """Compose gradient transforms left to right: ``chain(f, g)(grads, params) = g(f(grads, params), params)``.
+
+    ``.names`` of the chain: every name its parts need (None when none names any).
+    """
 
     def apply(grads: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out = dict(grads)
@@ -163,6 +227,8 @@ def chain(*transforms: GradTransform) -> GradTransform:
             out = t(out, params)
         return out
 
+    wanted = [n for t in transforms for n in (getattr(t, "names", None) or ())]
+    apply.names = tuple(dict.fromkeys(wanted)) or None  # type: ignore[attr-defined]
     return apply
 
 

@@ -230,7 +230,11 @@ def probe_memory(dim: int, *, rays: int, points: int, exact: bool, probes: int) 
 
 def probe(obj: Objective, *, temperature: float = 1.0, rays: int = 3, r_max: float = 1e3, points: int = 12,
           exact_max_dim: int = 200, probes: int = 64, seed: int = 0, r_ext: float = 1e30) -> VillaniReport:
-    """Run the Villani probe on ``obj`` (see the module docstring for the rule)."""
+    """Run the Villani probe on ``obj`` (see the module docstring for the rule).
+
+    Rays start at ``obj.theta0`` when the objective has one (a user's model,
+    :func:`~flowgeom.langevin.user_loss.loss_objective`), else at a random point.
+    """
     finite_number(temperature, "temperature s", positive=True, fix="the Villani quantity needs s > 0")
     if not finite_number(r_max, "r_max", fix="probe out to a finite r_max > 10") > 10:
         raise FlowgeomError(f"r_max must be > 10 to probe behaviour at infinity, got {r_max!r}")
@@ -242,6 +246,8 @@ def probe(obj: Objective, *, temperature: float = 1.0, rays: int = 3, r_max: flo
     g = torch.Generator().manual_seed(seed)
     exact = obj.dim <= exact_max_dim
     theta0 = torch.randn(obj.dim, generator=g, dtype=torch.float64)
+    if obj.theta0 is not None:  # a user's model: its own weights (the draw above keeps the rays' stream the same)
+        theta0 = obj.flatten(obj.theta0).to(torch.float64)
 
     def measure(thetas: list[torch.Tensor]) -> tuple[list[float], ...]:
         ds = [derivatives(obj.flat, th, exact=exact, probes=probes, generator=g) for th in thetas]
