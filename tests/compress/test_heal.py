@@ -156,3 +156,18 @@ def test_a_resume_from_another_plan_is_refused(capsys, tiny, tmp_path):  # noqa:
     with pytest.raises(FlowgeomError, match="other heal settings"):
         heal_folder(a, out, _cfg(tiny, lr=1e-3), resume=True)
     assert math.isfinite(heal_folder(a, out, _cfg(tiny), resume=True)["seconds"])
+
+
+def test_share_heal_compresses_then_heals_in_place(capsys, tiny, tmp_path):  # noqa: F811
+    out = tmp_path / "wh"
+    code, stdout, err = _share(capsys, tiny, out, "--method", "whiten", "--budget", "0.4", "--heal", "768",
+                               "--seq-len", "64", "--heal-batch", "2", "--lr", "3e-3", "--eval-every", "3",
+                               "--eval-tokens-heal", "256", "--heal-text", str(tiny.parent / "calib.txt"),
+                               "--eval-texts", str(tiny.parent / "text.txt"), "--json")
+    assert code == 0, err
+    report = json.loads(stdout)
+    assert report["heal"]["tokens"] == 768 and report["heal"]["steps"] == 6
+    assert json.loads((out / "flowgeom_share.json").read_text())["heal"]["steps"] == 6
+    read_factored(out)  # still a valid factored folder
+    code, _, err = _share(capsys, tiny, tmp_path / "d", "--budget", "0.4", "--dense", "--heal", "768")
+    assert code == 2 and "--heal trains the factors" in err

@@ -69,7 +69,15 @@ def run_share(args: argparse.Namespace) -> int:
 
     if args.sweep and (args.rank is not None or args.budget is not None or args.dense):
         raise FlowgeomError("--sweep takes its budgets itself: drop --budget/--rank/--dense (or drop --sweep)")
+    if args.heal is not None and (args.sweep or args.dense):
+        raise FlowgeomError("--heal trains the factors (or the blocks left after dropping): drop --sweep/--dense, "
+                            "or drop --heal")
     config = _share_config(args)  # every option checked before any work
+    healing = None
+    if args.heal is not None:
+        from flowgeom.cli.compress import heal_config, heal_printer
+
+        healing = heal_config(args, args.heal)
     bar, update = _stage_progress(not args.json)
     with bar if bar is not None else nullcontext():
         if args.sweep:
@@ -79,6 +87,11 @@ def run_share(args: argparse.Namespace) -> int:
                                    eval_tokens=args.eval_tokens, progress=update)
         else:
             result = share_model(args.source, Path(args.out), config, force=args.force, progress=update).report
+            if healing is not None:
+                from flowgeom.compress.heal import heal_folder
+
+                result["heal"] = heal_folder(Path(args.out), Path(args.out), healing, in_place=True,
+                                             progress=update, on_eval=heal_printer(not args.json))
     if args.json:
         print_json(result)
     elif args.sweep:
@@ -237,6 +250,12 @@ def register_verbs(verbs) -> None:
                         "(default float32)")
     p.add_argument("--no-cache", action="store_true", help="measure the calibration Grams again (not from the cache)")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out folder")
+    p.add_argument("--heal", type=positive_int, metavar="TOKENS",
+                   help="then heal the result by distillation on TOKENS healing tokens (flowgeom compress heal; "
+                        "its options below)")
+    from flowgeom.cli.compress import add_heal_flags
+
+    add_heal_flags(p, tokens_flag=None)
     add_threads(p)
     add_json(p)
 
@@ -253,7 +272,8 @@ def register_verbs(verbs) -> None:
     p.add_argument("--context", type=bounded_int(2, 1 << 20), default=512, help="tokens per window (default 512)")
     p.add_argument("--stride", type=positive_int, help="window step <= --context (default: --context, no overlap)")
     p.add_argument("--batch", type=positive_int(maximum=1024), default=1, help="windows per forward call (default 1)")
-    p.add_argument("--text", default="kjv", help="kjv (held-out split: last 5%% of verses, default) or a text file")
+    p.add_argument("--text", default="kjv", help="kjv (held-out split: last 5%% of verses, default), fortunes "
+                        "(out-of-domain English quotes, 660k tokens) or a text file")
     p.add_argument("--out", metavar="FILE", help="also write the JSON result to FILE (atomically)")
     add_device(p)
     add_threads(p, also="on a shared, loaded machine --threads 1 can be many times faster")

@@ -287,6 +287,7 @@ def _evaluate(model, held_out: Mapping[str, torch.Tensor], context: int) -> dict
     from flowgeom.compress.perplexity import EvalConfig, perplexity
 
     model.eval()
+    context = min(context, model.config.max_position_embeddings)
     out = {name: perplexity(model, ids, EvalConfig(context=min(context, len(ids)), max_tokens=None))["ppl"]
            for name, ids in held_out.items()}
     model.train()
@@ -405,6 +406,9 @@ def heal_folder(folder: str | Path, out: str | Path, config: HealConfig, *, forc
     if teacher.config.vocab_size != student.model.config.vocab_size:
         raise FlowgeomError(f"the teacher {teacher_spec} has {teacher.config.vocab_size} tokens, the student "
                             f"{student.model.config.vocab_size}; pass the --teacher the folder was compressed from")
+    if config.seq_len > student.model.config.max_position_embeddings:
+        raise FlowgeomError(f"--seq-len {config.seq_len} exceeds the model's {student.model.config.max_position_embeddings} "
+                            "positions; pass a shorter --seq-len")
     identity = student_identity(folder, str(teacher_path.resolve()))
     opt = _optimizer(config, student.trainable)
     work = out_folder(work.parent, work, "the heal work folder")
