@@ -47,6 +47,7 @@ from flowgeom.files import read_json_object
 from flowgeom.limits import file_int
 
 PEFT_PREFIX = "base_model.model."
+MAX_LORA_SCALE = 2.0**16  # |lora_alpha / r|: real adapters use ≤ ~10³; far below what overflows s·B·A
 Rows = tuple[tuple[int, int], ...]  # row ranges [start, stop) of the (out, in) view, concatenated in order
 
 
@@ -152,9 +153,9 @@ def lora_scale(module: str, adapter: str, rank: int, hints: NamingHints) -> floa
         for key, value in overrides.items():
             if module == key or module.endswith("." + key):
                 alpha, r = (value, r) if into == "alpha" else (alpha, value)
-    for name, value in (("lora_alpha", alpha), ("r", r)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                  or not math.isfinite(value)):
+    for name, value in (("lora_alpha", alpha), ("r", r)):  # r may be absent (the tensors give it), lora_alpha not
+        if (value is not None or name == "lora_alpha") and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                                            or not math.isfinite(value)):
             raise FlowgeomError(f"adapter_config.json {name} of {module} must be a number, got {value!r}; fix it")
     if r is not None:
         file_int(r, "r", where=f"adapter_config.json (module {module})", fix="fix it")
@@ -165,7 +166,13 @@ def lora_scale(module: str, adapter: str, rank: int, hints: NamingHints) -> floa
         raise FlowgeomError(f"adapter_config.json says r = {r!r} for {module} but its lora_A/lora_B have rank {rank}: "
                             "the config is not this adapter's (PEFT itself would refuse to load it); use the "
                             "adapter_config.json saved with these weights")
-    return float(alpha) / (math.sqrt(rank) if cfg.get("use_rslora") else rank)
+    rslora = bool(cfg.get("use_rslora"))
+    scale = float(alpha) / (math.sqrt(rank) if rslora else rank)
+    if not abs(scale) <= MAX_LORA_SCALE:
+        raise FlowgeomError(f"adapter_config.json lora_alpha = {alpha:g} gives {module} the LoRA scale s = "
+                            f"{scale:.3g} (lora_alpha / {'sqrt(r)' if rslora else 'r'}), beyond ±{MAX_LORA_SCALE:g}: "
+                            "W + s·B·A would overflow (no real adapter is scaled so); fix lora_alpha")
+    return scale
 
 
 def _read_json(path: Path) -> dict:

@@ -207,6 +207,10 @@ class MatrixRef:
         if self.lora is not None:
             a, b = source.load(self.lora.a), source.load(self.lora.b)  # (r, in), (out, r)
             delta = self.lora.scale * (b.double() @ a.double())  # (out, in)
+            if not bool(torch.isfinite(delta).all()):
+                raise FlowgeomError(f"--merge-lora: s·B·A of {self.tensor} is not finite in float64 (LoRA scale "
+                                    f"s = {self.lora.scale:g}, or inf/NaN in {self.lora.a} or {self.lora.b}); check "
+                                    "lora_alpha in adapter_config.json and the adapter's weights")
             t = t.double() + (delta.mT if self.transpose else delta)  # stored layout
         return self.extract(t)
 
@@ -397,6 +401,10 @@ def _pair_lora(shapes: Mapping[str, tuple[int, ...]], names: Sequence[str], foun
                 entries.append(entry)
                 continue
             out, inp = (stored[1], stored[0]) if first.transpose else stored
+            if len(shapes[ab["A"]]) != 2 or len(shapes[ab["B"]]) != 2:
+                raise FlowgeomError(f"LoRA {module}: A {list(shapes[ab['A']])} and B {list(shapes[ab['B']])} must both "
+                                    f"be matrices, A (r, {inp}) and B ({out}, r); the adapter file is damaged: "
+                                    "use the adapter_model.safetensors PEFT saved")
             (r, a_in), (b_out, r2) = shapes[ab["A"]], shapes[ab["B"]]
             if a_in != inp or b_out != out or r != r2:
                 raise FlowgeomError(f"LoRA {module}: A {list(shapes[ab['A']])} and B {list(shapes[ab['B']])} do not "
