@@ -179,6 +179,25 @@ def run_drift(config: Mapping[str, Any], folder: RunFolder, resume: bool) -> dic
             "loss": _finite(final.get("loss")), "steps": cfg.steps}
 
 
+def drift_size(config: Mapping[str, Any]) -> float:
+    """The run's cost for the progress ETA (:mod:`flowgeom.reproduce.cost`): its steps × parameters."""
+    from flowgeom.reproduce.cost import conservation_work
+
+    return conservation_work([drift_config(config)])
+
+
+def scaling_size(config: Mapping[str, Any]) -> float:
+    """The cost of :func:`run_scaling_claim` for the progress ETA: every τ run of each architecture (at the k-slope's
+    τ too) and the two schedule runs of the first (what :func:`~flowgeom.experiments.scaling.run_scaling` trains)."""
+    from flowgeom.reproduce.cost import conservation_work
+
+    cfg = scaling_config(config)
+    k_tau = cfg.k_tau or sorted(cfg.taus)[len(cfg.taus) // 2]
+    runs = [cfg.run_config(arch, lr=tau) for arch in cfg.archs for tau in set(cfg.taus) | {k_tau}]
+    runs += [cfg.run_config(cfg.archs[0], lr=max(cfg.taus), steps=cfg.decay_steps)] * 2
+    return conservation_work(runs)
+
+
 def drift_verdict(runs: Sequence[RunRecord], figures_dir: Path) -> Verdict:
     from flowgeom.report.figures import curves
 
@@ -251,9 +270,9 @@ def claims() -> list[Claim]:
               for scale, archs in ROUTER_ARCHS.items()}
     return [
         Claim("conservation", "conservation.drift", "000", TEXTS["conservation.drift"], drift["quick"], drift["full"],
-              run_drift, drift_verdict, cpu=drift["cpu"]),
+              run_drift, drift_verdict, cpu=drift["cpu"], size=drift_size),
         Claim("conservation", "conservation.tau-squared", "000", TEXTS["conservation.tau-squared"], tau["quick"],
-              tau["full"], run_scaling_claim, tau_verdict),
+              tau["full"], run_scaling_claim, tau_verdict, size=scaling_size),
         Claim("conservation", "conservation.sigmoid-router", "000", TEXTS["conservation.sigmoid-router"],
-              router["quick"], router["full"], run_scaling_claim, router_verdict),
+              router["quick"], router["full"], run_scaling_claim, router_verdict, size=scaling_size),
     ]

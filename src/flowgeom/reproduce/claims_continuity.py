@@ -47,6 +47,23 @@ def run_mlp(config: Mapping[str, Any], folder: RunFolder, resume: bool) -> dict[
     return _clean(summarise_run(RunFolder(folder.path / "run")))
 
 
+def mlp_size(config: Mapping[str, Any]) -> float:
+    """The run's cost for the progress ETA (:mod:`flowgeom.reproduce.cost`): steps × the MLP's weights."""
+    from flowgeom.reproduce.cost import mlp_parameters, work
+
+    cfg = mlp_config(config)
+    return work(cfg.steps, mlp_parameters(width=cfg.width, depth=cfg.depth))
+
+
+def lm_size(config: Mapping[str, Any]) -> float:
+    """The run's cost for the progress ETA: steps × the LM's weights."""
+    from flowgeom.reproduce.cost import lm_parameters, work
+
+    cfg = lm_run_config(config)
+    return work(cfg.steps, lm_parameters(d_model=cfg.d_model, n_layers=cfg.n_layers, heads=cfg.heads, d_k=cfg.d_k,
+                                         d_hidden=cfg.d_hidden, mlp=cfg.mlp))
+
+
 def _mean(rows: list[dict[str, Any]], variant: str, key: str) -> float:
     vals = [r[key] for r in rows if r["variant"] == variant and r.get(key) is not None]
     return sum(vals) / len(vals) if vals else math.nan
@@ -388,7 +405,7 @@ def _mlp_claim() -> Claim:
     # cpu and full the seed's init-scale and optimiser variants too; cpu one seed, full three.
     return Claim("continuity", "continuity.mlp-ablation", "001", TEXTS["continuity.mlp-ablation"],
                  quick=at("quick", CORE, (0,)), full=at("full", every, range(3)), cpu=at("cpu", every, (0,)),
-                 run=run_mlp, verdict=mlp_verdict)
+                 run=run_mlp, verdict=mlp_verdict, size=mlp_size)
 
 
 LM_FULL_MLPS = ("swiglu", "gelu", "identity")  # the full grid's MLP ablation; quick and cpu train SwiGLU only
@@ -402,7 +419,7 @@ def _lm_claim() -> Claim:
                  quick=({"scale": "quick", "mlp": "swiglu", "seed": 0},),
                  full=tuple({"scale": "full", "mlp": m, "seed": 0} for m in LM_FULL_MLPS),
                  cpu=({"scale": "cpu", "mlp": "swiglu", "seed": 0},),
-                 run=run_lm, verdict=lm_verdict)
+                 run=run_lm, verdict=lm_verdict, size=lm_size)
 
 
 def _pretrained_claim() -> Claim:

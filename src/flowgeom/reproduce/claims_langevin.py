@@ -41,6 +41,30 @@ def run_villani(config: Mapping[str, Any], folder: RunFolder, resume: bool) -> d
     }
 
 
+def villani_size(config: Mapping[str, Any]) -> float:
+    """The run's cost for the progress ETA (:mod:`flowgeom.reproduce.cost`): the probe's points (``2 × points``
+    radii on each of ``rays + 1`` paths, its defaults) × the D² entries of the Hessian each point takes."""
+    import inspect
+
+    from flowgeom.langevin import objective, probe
+    from flowgeom.reproduce.cost import work
+
+    defaults = {k: v.default for k, v in inspect.signature(probe).parameters.items()}
+    dim = objective(config["loss"], seed=config["seed"]).dim
+    return work((defaults["rays"] + 1) * 2 * defaults["points"], dim * dim)
+
+
+def darcy_size(config: Mapping[str, Any]) -> float:
+    """The run's cost for the progress ETA: the Adam steps and every Langevin arm's steps × the model's weights."""
+    from flowgeom.reproduce.cost import work
+
+    cfg = darcy_config(config)
+    tokens = (cfg.resolution // cfg.patch) ** 2
+    d, p2 = cfg.d_model, cfg.patch * cfg.patch
+    weights = 2 * p2 * d + tokens * d + 2 * d * cfg.d_k + 2 * d * d + 2 * d * cfg.d_mlp  # embed/head, pos, QK, VO, MLP
+    return work(cfg.pretrain_steps + cfg.steps * len(cfg.regs), weights)
+
+
 def villani_verdict(runs: Sequence[RunRecord], figures_dir: Path) -> Verdict:
     from flowgeom.report.figures import curves
 
@@ -147,7 +171,7 @@ def _villani_claim() -> Claim:
                             temperature=[1.0], seed=[0]),
                  full=grid(loss=["attention", "lora"], reg=["none", "log", "power"], lam=[0.001, 0.01, 0.1],
                            eps=[0.5], temperature=[0.1, 1.0], seed=[0, 1, 2]),
-                 run=run_villani, verdict=villani_verdict)
+                 run=run_villani, verdict=villani_verdict, size=villani_size)
 
 
 def _darcy_claim() -> Claim:
@@ -159,7 +183,7 @@ def _darcy_claim() -> Claim:
     # Every run is darcy.PRESETS of its scale (cpu = full: the whole protocol fits one core, ~35 min a seed).
     return Claim("langevin", "langevin.darcy", "004", TEXTS["langevin.darcy"],
                  quick=({"scale": "quick", "seed": 0},), full=grid(scale=["full"], seed=[0, 1, 2]),
-                 cpu=({"scale": "cpu", "seed": 0},), run=run_darcy, verdict=darcy_verdict)
+                 cpu=({"scale": "cpu", "seed": 0},), run=run_darcy, verdict=darcy_verdict, size=darcy_size)
 
 
 def claims() -> list[Claim]:

@@ -37,6 +37,20 @@ def _numeric_count():
     return count
 
 
+CHECK_FIELDS = 32  # gradient fields of the orthogonality check
+
+
+def laws_size(config: Mapping[str, Any]) -> float:
+    """The run's cost for the progress ETA (:mod:`flowgeom.reproduce.cost`): the check's fields × D² for the
+    model's D parameters (the numeric count's Jacobians are D × D)."""
+    from flowgeom.nn import build
+    from flowgeom.reproduce.cost import work
+
+    options = {k: v for k, v in config.items() if k not in ("arch", "seed")}
+    dim = sum(p.numel() for p in build(config["arch"], seed=config["seed"], **options).parameters())
+    return work(CHECK_FIELDS, dim * dim)
+
+
 def run_laws(config: Mapping[str, Any], folder: RunFolder, resume: bool) -> dict[str, Any]:
     """Catalogue, check and numeric count of ``config = {"arch", "seed", **size options}``.
 
@@ -49,7 +63,7 @@ def run_laws(config: Mapping[str, Any], folder: RunFolder, resume: bool) -> dict
     model = build(config["arch"], seed=config["seed"], **options)
     entry = catalogue(model)
     t0 = time.perf_counter()
-    report = check(model, entry.laws + entry.controls + entry.refuted, n_fields=32, seed=config["seed"])
+    report = check(model, entry.laws + entry.controls + entry.refuted, n_fields=CHECK_FIELDS, seed=config["seed"])
     check_seconds = time.perf_counter() - t0
     by_status = {s: [v for v in report.verdicts if v.status == s] for s in ("law", "control", "refuted")}
     summary: dict[str, Any] = {
@@ -217,4 +231,4 @@ def claims() -> list[Claim]:
          "conservation laws: they are identical to the softmax case (including Σ_i W_i).", sig, sig_f, _seed_moe),
     ]
     return [Claim(area="laws", id=cid, seed="000", text=text, quick=_runs(qv, q), full=_runs(fv, f), run=run_laws,
-                  verdict=law_verdict(cid, seed_fn)) for cid, text, qv, fv, seed_fn in spec]
+                  verdict=law_verdict(cid, seed_fn), size=laws_size) for cid, text, qv, fv, seed_fn in spec]

@@ -113,7 +113,7 @@ def reproduce(claims: Sequence[Any], *, out: str | Path, scale: str = "quick", b
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     ticker = Ticker(len(specs), lambda line: err.print(line, markup=False),
                     jobs=thread_budget(jobs)[0] if backend == "local" else 1,
-                    groups={spec.key: spec.claim_id for spec in specs})
+                    groups={spec.key: spec.claim_id for spec in specs}, sizes={spec.key: spec.size for spec in specs})
 
     def on_start(spec):
         if show_progress:

@@ -12,17 +12,35 @@ seconds (10 by default):
     ...  [12/36] running continuity.lm-projection 8c01d2aa for 40s · elapsed 2m50s · ETA ~3m10s
 
 Lines, not a redrawn bar, so that the same output reads well in a terminal, a
-``make demo | tee log`` and a CI log. The ETA is the mean duration of the runs
-finished in this sweep (runs kept from an earlier sweep take no time and are
-not counted) times the runs left, divided by the parallel workers, minus what
-the running ones have already spent; "ETA ?" until one run has finished. Given
-each run's claim (``groups``), a run is expected to cost what the finished runs
-of its own claim cost (a claim's runs are alike; claims are not), else the mean;
-while a run takes longer than that, the ETA is "?" rather than a wrong "~0s".
+``make demo | tee log`` and a CI log.
+
+The ETA. Each run comes with its size (``sizes``: optimiser steps × trained
+parameters, plus a per-step overhead; :mod:`flowgeom.reproduce.cost`), so
+the first run of a claim is predicted before any run of it has finished:
+
+    expected(run) = rate × size(run) × factor(claim of the run)
+
+``rate`` (seconds per unit of size, this machine at its present load) is
+calibrated by the runs finished so far, Σ seconds / Σ size; ``factor`` is
+how far the finished runs of the run's own claim were from that prediction
+(Σ seconds / Σ rate × size; 1 before one has finished), since a claim's runs
+are alike and claims are not. The ETA is the expected seconds of the runs
+not yet ended, minus what the running ones have spent, divided by the
+parallel workers. Runs kept from an earlier sweep take no time and are not
+counted; a run without a size is expected to take the mean of its claim's
+finished runs, else of all finished runs.
+
+It is never "?" once a sized run has been running for a heartbeat. Before
+any run has finished, the running runs bound the rate from below (a run of
+size S that has run t seconds has rate ≥ t / S), and a run already past its
+expected time has an unknown remainder (≥ 0); in both cases the ETA is a
+lower bound, shown as "ETA >3m10s" instead of "ETA ~3m10s". "ETA ?" remains
+only when no run has a size and none has finished.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -48,14 +66,19 @@ class Ticker:
     """
 
     def __init__(self, total: int, emit: Callable[[str], None], *, every: float = 10.0, jobs: int = 1,
-                 groups: dict[str, str] | None = None, clock: Callable[[], float] = time.monotonic):
+                 groups: dict[str, str] | None = None, sizes: dict[str, float | None] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         if every <= 0:
             raise ValueError(f"every must be > 0 seconds, got {every}")
         self.total, self.emit, self.every, self.jobs, self.clock = total, emit, every, max(1, jobs), clock
         # run key -> group (its claim): runs of one claim cost alike, runs of different claims do not
         self.groups = dict(groups or {})
-        self.pending = set(self.groups)  # keys not yet ended
+        # run key -> size (steps x parameters + overhead); runs without a finite positive size have none
+        self.sizes = {k: float(v) for k, v in (sizes or {}).items()
+                      if isinstance(v, (int, float)) and math.isfinite(v) and v > 0}
+        self.pending = set(self.groups) | set(self.sizes)  # keys not yet ended
         self.by_group: dict[str, list[float]] = {}
+        self.ran: dict[str, float] = {}  # key -> seconds, of the runs that really ran
         self.t0 = clock()
         self.last = self.t0  # time of the last line printed
         self.finished = 0  # runs that ended (finished, kept or failed)
@@ -77,6 +100,7 @@ class Ticker:
             self.finished += 1
             if status == "finished":
                 self.durations.append(seconds)
+                self.ran[key] = seconds
                 if key in self.groups:
                     self.by_group.setdefault(self.groups[key], []).append(seconds)
             mark = {"finished": "done", "skipped": "kept", "failed": "FAILED"}.get(status, status)
@@ -100,33 +124,68 @@ class Ticker:
 
     # -- numbers -----------------------------------------------------------------------------------------
     def eta(self) -> float | None:
-        """Seconds left, or None before the first run that really ran has finished."""
-        if not self.durations:
-            return None
-        mean = sum(self.durations) / len(self.durations)
+        """Seconds left (a lower bound when :meth:`estimate` says so), or None when nothing is known yet."""
+        found = self.estimate()
+        return None if found is None else found[0]
+
+    def estimate(self) -> tuple[float, bool] | None:
+        """``(seconds left, is a lower bound)``, or None before any basis for a number (module docstring)."""
         now = self.clock()
-        if not self.groups:
-            left = (self.total - self.finished) * mean / self.jobs
-            spent = sum(now - since for _, since in self.running.values()) / self.jobs
-            return max(0.0, left - min(spent, left))
+        rate, bounded = self._rate(), False
+        if rate is None:  # nothing sized has finished: a running sized run's cost so far bounds the rate from below
+            seen = [(now - since) / self.sizes[k] for k, (_, since) in self.running.items() if k in self.sizes]
+            rate, bounded = (max(seen), True) if seen and max(seen) > 0 else (None, False)
+        left = 0.0
+        keys = self.pending | set(self.running)
+        unnamed = max(0, self.total - self.finished - len(keys))  # runs the ticker knows only by their count
+        if unnamed:
+            if not self.durations:
+                return None
+            left += unnamed * sum(self.durations) / len(self.durations)
+        for key in keys:
+            expected = self._expected(key, rate)
+            if expected is None:
+                if rate is None and not self.durations:
+                    return None
+                bounded = True  # a run nothing predicts: counted as 0 s
+                continue
+            if key in self.running:
+                spent = now - self.running[key][1]
+                if spent > expected:  # past its prediction: what remains is unknown, at least 0
+                    bounded = True
+                    continue
+                expected -= spent
+            left += expected
+        return left / self.jobs, bounded
 
-        def expected(key: str) -> float:  # the mean of its claim's finished runs, else of all runs
-            seen = self.by_group.get(self.groups.get(key, ""), [])
-            return sum(seen) / len(seen) if seen else mean
+    def _rate(self) -> float | None:
+        """Seconds per unit of size from the sized runs that finished (Σ seconds / Σ size), or None."""
+        sized = [k for k in self.ran if k in self.sizes]
+        total = sum(self.sizes[k] for k in sized)
+        return sum(self.ran[k] for k in sized) / total if total > 0 else None
 
-        over = [k for k, (_, since) in self.running.items() if now - since > expected(k)]
-        if over:  # a run past what its claim's runs took: any number would be a guess
-            return None
-        left = sum(expected(k) for k in self.pending if k not in self.running)
-        left += sum(expected(k) - (now - since) for k, (_, since) in self.running.items())
-        return left / self.jobs
+    def _expected(self, key: str, rate: float | None) -> float | None:
+        """Seconds the run ``key`` is expected to take (module docstring), or None when nothing predicts it."""
+        group = self.groups.get(key)
+        mates = [k for k in self.ran if self.groups.get(k) == group] if group is not None else []
+        if key in self.sizes and rate is not None:
+            sized = [k for k in mates if k in self.sizes]
+            predicted = sum(rate * self.sizes[k] for k in sized)
+            factor = sum(self.ran[k] for k in sized) / predicted if predicted > 0 else 1.0
+            return rate * self.sizes[key] * factor
+        if mates:
+            return sum(self.ran[k] for k in mates) / len(mates)
+        if self.durations:
+            return sum(self.durations) / len(self.durations)
+        return None
 
     def elapsed(self) -> float:
         return self.clock() - self.t0
 
     def _times(self) -> str:
-        eta = self.eta()
-        return f"elapsed {duration(self.elapsed())} · ETA " + (f"~{duration(eta)}" if eta is not None else "?")
+        found = self.estimate()
+        eta = "?" if found is None else (">" if found[1] else "~") + duration(found[0])
+        return f"elapsed {duration(self.elapsed())} · ETA {eta}"
 
     def _line(self, text: str) -> None:
         self.last = self.clock()

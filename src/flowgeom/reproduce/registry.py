@@ -126,6 +126,19 @@ class Claim:
     unavailable: str = ""
     cpu: tuple[Config, ...] = ()  # empty: the claim has no CPU-scale grid and `--cpu` leaves it out
     heavy: str = ""  # why the quick tour (`make demo`) leaves it out, e.g. minutes of real-model evaluation
+    # the cost of one run in the progress ETA's unit, optimiser steps x (trained parameters + a per-step overhead)
+    # (flowgeom.reproduce.cost); None: the ETA expects the mean of the claim's finished runs
+    size: Callable[[Config], float] | None = None
+
+    def run_size(self, config: Config) -> float | None:
+        """``size(config)``, or None when the claim has none or it cannot be computed (the ETA is only a guess)."""
+        if self.size is None:
+            return None
+        try:
+            value = float(self.size(config))
+        except Exception:  # noqa: BLE001 - a size is a hint for the progress line, never a reason to fail a sweep
+            return None
+        return value if value > 0 and value != float("inf") else None
 
     def __post_init__(self):
         if self.area not in AREAS:

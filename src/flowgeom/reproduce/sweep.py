@@ -87,6 +87,7 @@ class RunSpec:
     config: dict[str, Any]
     path: Path
     run: RunFn
+    size: float | None = None  # the run's cost in the ETA's unit (Claim.size), None if unknown
 
     @property
     def key(self) -> str:
@@ -122,7 +123,8 @@ def plan(claims: Sequence[Claim], *, scale: str, out: str | os.PathLike) -> list
             if rid in seen:
                 raise FlowgeomError(f"claim {claim.id}: its {scale} grid repeats the config {dict(config)}")
             seen.add(rid)
-            specs.append(RunSpec(claim.id, rid, dict(config), root / claim.id / rid, claim.run))
+            specs.append(RunSpec(claim.id, rid, dict(config), root / claim.id / rid, claim.run,
+                                 claim.run_size(config)))
     return specs
 
 
