@@ -21,8 +21,9 @@ top ``k`` singular triplets ``A v_i = sigma_i u_i``, ``sigma_1 >= sigma_2 >= ...
 
      Krylov depth converges like ``exp(-2 t sqrt(gap))`` instead of the power
      method's ``(1 - gap)^t``, which matters on the flat spectra of trained
-     weights. The Krylov part runs in float64 (it is d x D, D = b (t+1)).
-     Cost ~ t d^2 b: it wins for large d and on GPUs.
+     weights. The products ``G Q`` run in the Gram's dtype, the basis and
+     Ritz pairs (d x D, D = b (t+1)) in float64. Cost ~ t d^2 b: it wins
+     for large d and on GPUs.
    * ``dense``: LAPACK's Householder tridiagonal reduction (``?sytrd``),
      then MRRR (``?stemr``) for the top k eigenpairs only and ``?ormqr`` to
      map them back (``_blas.tridiagonal_top``), in the Gram's dtype. Cost ~ (4/3) d^3 with BLAS-3 blocking and no iteration: on CPU
@@ -72,6 +73,8 @@ from flowgeom.errors import FlowgeomError, choice_error
 F64 = torch.float64
 SOLVERS = ("auto", "krylov", "dense")
 DENSE_MAX_DIM = 1536  # CPU crossover dense (tridiagonal) vs block Krylov (benchmarks/continuity_solvers.py)
+SMALL_GRAM = 192  # Krylov may fill the whole space of Grams up to this size (krylov_top_eigenpairs)
+RESIDUAL_FLOOR = 8  # Krylov residuals are floored at 8 eps of the Gram's dtype (krylov_top_eigenpairs)
 SAFE_EXPONENT = 30  # max|w| in [2^-30, 2^30]: float32 Grams of any practical size neither overflow nor underflow
 
 
@@ -182,54 +185,120 @@ def krylov_top_eigenpairs(G: torch.Tensor, k: int, *, oversample: int = 8, max_d
     subspace and index-matched metrics, where a 1e-5 residual moves the
     value by far less than its spread over layers). Returns ``(theta (L k) descending, Y (L d k),
     residual (L,), depth)`` in float64.
+
+    **Precision.** The products ``G Q``, the basis and ``T`` stay in
+    ``G``'s own dtype (a float32 Gram is never copied to float64: that copy
+    doubled the memory traffic of every step); the Ritz problem ``eigh(T)``
+    and the returned pairs are float64, the vectors normalised there. A
+    residual cannot fall below the rounding of those products, so both
+    tolerances are floored at ``RESIDUAL_FLOOR * eps(G.dtype)`` (about 1e-6
+    for float32; a float64 Gram keeps 1e-10). Asking for less was the bad
+    scaling of issue 34: on a flat (Gaussian) spectrum a float32 Gram never
+    reached 1e-10 and ran to ``max_depth`` (43 s per 3072x3072 matrix). The
+    angle of the top vector is at most ``r theta_1 / gap`` (Davis-Kahan),
+    on top of what rounding the float32 Gram itself costs; measured on a
+    3072x3072 Gaussian matrix (relative gap 0.009) against a float64 SVD:
+    5e-6 (1.9e-6 with a float64 basis, at 2x the time;
+    tests/continuity/test_scale.py checks the metrics to 1e-4).
+
+    **Cost cap.** When the basis would pass ``d / 3`` columns (its
+    orthogonalisation and Ritz steps then cost about what a dense reduction
+    does) the top pairs come from the dense solver instead
+    (:func:`_exact_top`); Grams up to ``SMALL_GRAM`` wide may fill the
+    whole space first.
     """
-    G = G.to(F64)
     L, d, _ = G.shape
+    floor = RESIDUAL_FLOOR * torch.finfo(G.dtype).eps
+    tol, tol_rest = max(tol, floor), max(tol_rest, floor)
     b = min(k + oversample, d)
+    cap = d if d <= SMALL_GRAM else d // 3  # largest basis before the dense solver is cheaper (docstring)
+    work = G.dtype if G.dtype in (torch.float32, F64) else F64  # products and basis in G's dtype (docstring)
     gen = torch.Generator().manual_seed(seed)
-    omega = torch.randn(L, d, b, generator=gen, dtype=F64).to(G.device)  # (L, d, b)
-    Q = torch.linalg.qr(G @ omega).Q  # (L, d, b)
-    GQ = G @ Q
-    K, GK, T = Q, GQ, Q.mT @ GQ  # basis (L d D), G K (L d D), T = K^T G K (L D D)
+    omega = torch.randn(L, d, b, generator=gen, dtype=F64).to(device=G.device, dtype=work)  # (L, d, b)
+
+    def apply(X: torch.Tensor) -> torch.Tensor:  # G X in G's dtype, returned in the basis dtype (L, d, b)
+        return (G @ X.to(G.dtype)).to(work)
+
+    Q = torch.linalg.qr(apply(omega)).Q  # (L, d, b)
+    GQ = apply(Q)
+    basis = _Basis(Q, GQ)  # K (L d D) and G K, grown in place
+    T = Q.mT @ GQ  # (L, D, D) = K^T G K
     depth, check = 0, 0
     while True:
-        if depth < check and K.shape[-1] + b <= d and depth < max_depth:
+        room = basis.size + b <= cap and depth < max_depth
+        if depth < check and room:
             depth += 1
-            Q, GQ, K, GK, T = _extend(G, K, GK, T, GQ)
+            T = _extend(apply, basis, T)
             continue
         check = max(depth + 1, int(depth * 1.4))  # Ritz checks on a geometric schedule (eigh is the costly part)
-        theta, W = torch.linalg.eigh(0.5 * (T + T.mT))  # ascending, (L, D), (L, D, D)
+        K, GK = basis.K, basis.GK
+        theta, W = torch.linalg.eigh(0.5 * (T + T.mT).to(F64))  # ascending, (L, D), (L, D, D)
         theta, W = theta.flip(-1)[..., :k], W.flip(-1)[..., :k]
-        Y, GY = K @ W, GK @ W  # (L, d, k)
+        Y, GY = (K @ W.to(work)).to(F64), (GK @ W.to(work)).to(F64)  # (L, d, k)
         scale = theta[..., :1].clamp_min(torch.finfo(F64).tiny)
         r = (GY - Y * theta.unsqueeze(-2)).norm(dim=-2) / scale  # (L, k)
         residual = r.amax(-1)  # (L,)
         converged = bool((r[..., 0] <= tol).all()) and bool((r[..., 1:] <= tol_rest).all())
-        if converged or K.shape[-1] + b > d or depth >= max_depth:
-            if not converged and K.shape[-1] + b > d:
-                # Krylov space nearly fills R^d: finish exactly on the whole (small) space.
+        if converged or not room:
+            if not converged and basis.size + b > cap:
+                # Krylov would cost as much as a dense reduction: finish exactly on the whole (small) space.
                 theta, Y = _exact_top(G, k)
                 residual = torch.zeros_like(residual)
-            return theta, Y, residual, depth
+            return theta, Y / Y.norm(dim=-2, keepdim=True), residual, depth  # unit columns in float64
         depth += 1
-        Q, GQ, K, GK, T = _extend(G, K, GK, T, GQ)
+        T = _extend(apply, basis, T)
 
 
-def _extend(G, K, GK, T, GQ):
+class _Basis:
+    """The Krylov basis ``K`` (L d D) and ``G K``, in buffers that double when full (no copy per step)."""
+
+    def __init__(self, Q: torch.Tensor, GQ: torch.Tensor):
+        L, d, b = Q.shape
+        self.block = b
+        self._K = Q.new_empty(L, d, 4 * b)
+        self._GK = Q.new_empty(L, d, 4 * b)
+        self.size = 0
+        self.append(Q, GQ)
+
+    @property
+    def K(self) -> torch.Tensor:
+        return self._K[..., :self.size]
+
+    @property
+    def GK(self) -> torch.Tensor:
+        return self._GK[..., :self.size]
+
+    def append(self, Q: torch.Tensor, GQ: torch.Tensor) -> None:
+        b = Q.shape[-1]
+        if self.size + b > self._K.shape[-1]:
+            grow = max(self._K.shape[-1], b)
+            self._K = torch.cat([self._K, self._K.new_empty(*self._K.shape[:-1], grow)], -1)
+            self._GK = torch.cat([self._GK, self._GK.new_empty(*self._GK.shape[:-1], grow)], -1)
+        self._K[..., self.size:self.size + b] = Q
+        self._GK[..., self.size:self.size + b] = GQ
+        self.size += b
+
+
+def _extend(apply, basis: _Basis, T: torch.Tensor) -> torch.Tensor:
     """One Krylov block: orthogonalise G Q_last against the basis K (twice), grow K, G K and T = K^T G K."""
-    new = GQ
+    K = basis.K
+    new = basis.GK[..., -basis.block:]  # G Q of the last block (L, d, b)
     for _ in range(2):  # block Gram-Schmidt against the whole basis, twice
         new = new - K @ (K.mT @ new)
     Q = torch.linalg.qr(new).Q  # (L, d, b)
-    GQ = G @ Q
+    GQ = apply(Q)
     C = K.mT @ GQ  # (L, D, b)
-    T = torch.cat([torch.cat([T, C], -1), torch.cat([C.mT, Q.mT @ GQ], -1)], -2)  # (L, D+b, D+b)
-    return Q, GQ, torch.cat([K, Q], -1), torch.cat([GK, GQ], -1), T
+    basis.append(Q, GQ)
+    return torch.cat([torch.cat([T, C], -1), torch.cat([C.mT, Q.mT @ GQ], -1)], -2)  # (L, D+b, D+b)
 
 
 def _exact_top(G: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top ``k`` eigenpairs of ``G`` (L d d), float64: LAPACK's tridiagonal solver on CPU, ``eigh`` elsewhere."""
+    if _blas.supported(G):
+        theta, Y = dense_top_eigenpairs(G, k)[:2]
+        return theta, Y
     theta, Y = torch.linalg.eigh(G)
-    return theta.flip(-1)[..., :k], Y.flip(-1)[..., :k]
+    return theta.flip(-1)[..., :k].to(F64), Y.flip(-1)[..., :k].to(F64)
 
 
 def dense_top_eigenpairs(G: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
