@@ -81,7 +81,8 @@ def add_heal_flags(p: argparse.ArgumentParser, *, tokens_flag: str | None) -> No
     p.add_argument("--heal-text", default="kjv", metavar="TEXT",
                    help="healing text: kjv (its train split, default) or a UTF-8 file; never the held-out text")
     p.add_argument("--eval-texts", type=lambda s: tuple(x for x in s.split(",") if x), metavar="T1,T2",
-                   help="held-out texts scored while healing (default: kjv's test split)")
+                   help="held-out texts scored while healing: kjv (its test split), fortunes (out of domain) or "
+                        "files (default kjv,fortunes)")
     p.add_argument("--seq-len", type=bounded_int(8, 1 << 16), default=256, help="tokens per sequence (default 256)")
     p.add_argument("--heal-batch", type=positive_int(maximum=4096), default=4, help="sequences per step (default 4)")
     p.add_argument("--eval-every", type=positive_int, default=25, help="steps between evaluations (default 25)")
