@@ -1,8 +1,9 @@
-"""A count whose every field is zero (rank 0) says it is degenerate instead of reporting "precision: full".
+"""A block whose output is constant in its weights (rank 0) is named degenerate, and no laws are counted.
 
 ``laws count hf:mixtral:moe --config num_experts_per_tok=0`` routes every token
 to no expert: the output is zero whatever the weights, so all 240 parameters
-"count" as laws. The text and JSON outputs now carry a note naming that.
+would "count" as laws (issue 35 §4). The library raises, the CLI says so in
+one line and exits 2; a live block still counts.
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ import pytest
 import torch
 from torch import nn
 
+from flowgeom.errors import FlowgeomError
 from flowgeom.laws import count
-from flowgeom.laws.count import DEGENERATE_NOTE
+from flowgeom.laws.count import DEGENERATE
 
 
 class _Dead(nn.Module):
@@ -31,21 +33,19 @@ class _Live(_Dead):
         return x @ self.w.T
 
 
-def test_rank_zero_count_carries_the_degenerate_note():
-    dead = count(_Dead(), input_shape=(4,), dtype=torch.float64)
-    assert dead.rank == 0 and dead.laws == dead.parameters == 12 and dead.notes[0] == DEGENERATE_NOTE
+def test_rank_zero_is_refused_as_degenerate_and_a_live_block_counts():
+    with pytest.raises(FlowgeomError) as info:
+        count(_Dead(), input_shape=(4,), dtype=torch.float64)
+    assert str(info.value) == DEGENERATE and "constant" in DEGENERATE and "degenerate" in DEGENERATE
     live = count(_Live(), input_shape=(4,), dtype=torch.float64)
-    assert live.rank > 0 and DEGENERATE_NOTE not in live.notes
+    assert live.rank == 12 and live.laws == 0
 
 
-def test_hf_moe_with_no_expert_per_token_is_flagged(cli, strict_json):
+def test_hf_moe_with_no_expert_per_token_is_refused(cli, strict_json):
     pytest.importorskip("transformers")
-    rc, out, _ = cli(["laws", "count", "hf:mixtral:moe", "--config", "num_experts_per_tok=0"])
-    assert rc == 0
-    assert f"note: {DEGENERATE_NOTE}" in " ".join(out.split())  # rich may wrap the line
-    assert "precision: none" in out and "precision: full" not in out
-    rc, out, _ = cli(["laws", "count", "hf:mixtral:moe", "--config", "num_experts_per_tok=0", "--json"])
-    data = strict_json(out)
-    assert rc == 0 and data["rank"] == 0 and data["notes"][0] == DEGENERATE_NOTE
+    for extra in ([], ["--json"]):
+        rc, out, err = cli(["laws", "count", "hf:mixtral:moe", "--config", "num_experts_per_tok=0", *extra])
+        assert rc == 2 and out == "" and err.strip() == f"flowgeom: error: {DEGENERATE}"
     rc, out, _ = cli(["laws", "count", "hf:mixtral:moe", "--json"])  # the default config is not degenerate
-    assert rc == 0 and DEGENERATE_NOTE not in strict_json(out)["notes"]
+    data = strict_json(out)
+    assert rc == 0 and data["rank"] > 0 and data["laws"] < data["parameters"]

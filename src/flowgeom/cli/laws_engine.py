@@ -150,9 +150,7 @@ def _count(args: argparse.Namespace) -> int:
     out.print(f"gap: smallest kept σ {_fmt(gap['smallest_kept'])} | tolerance {gap['tolerance']:.0e} | "
               f"largest dropped σ {_fmt(gap['largest_dropped'])} (ratio {ratio})")
     prec = res.precision
-    if prec and res.rank == 0 and res.parameters:  # every field zero: no rounding to judge, nothing measured
-        out.print("precision: [red]none[/red] — every field is zero (see the degenerate note)")
-    elif prec:
+    if prec:
         flag = "[red]reduced[/red]" if prec["reduced"] else "[green]full[/green]"
         out.print(f"precision: {flag} — the fields carry {prec['effective']} rounding (noise {prec['noise']:.1e}) in a "
                   f"{prec['dtype']} count")

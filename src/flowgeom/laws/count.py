@@ -75,9 +75,9 @@ def input_sampler(module: nn.Module, sample_input: Sampler | None, input_shape) 
     return module_sampler(module)
 
 
-DEGENERATE_NOTE = ("degenerate: rank 0, every field is zero: the output does not depend on any parameter at this "
-                   "point (a dead module, or a config such as num_experts_per_tok=0), so all parameters count as "
-                   "laws and the count says nothing about the architecture; fix the module or its config")
+DEGENERATE = ("the block is degenerate: its output is constant in the weights (rank 0, every field is zero at this "
+              "point: a dead module, or a config such as num_experts_per_tok=0 that routes no token to any expert), "
+              "so it has no conservation laws to count; fix the module or its config")
 
 
 @dataclass
@@ -488,6 +488,8 @@ def count(
     tol_used = tol if tol is not None else tolerance_for(prec, default_tol) if prec is not None and prec.reduced else default_tol
     span = SpanTracker(d, tol=tol_used, dtype=dtype, device=device)
     ranks, draws = lie_span(span, source, gen, max_depth=max_depth, patience=patience, block=block, progress=progress)
+    if span.rank == 0 and d > 0:  # D "laws" of a constant function would say nothing about the architecture
+        raise FlowgeomError(DEGENERATE)
     notes = switched + frozen_note(frozen) + gap_notes(span.gap(), prec, default_tol=default_tol,
                                                        tol_given=tol is not None)
     if max_depth == 0 and span.rank < d:
@@ -496,8 +498,6 @@ def count(
         notes.append(f"depth {max_depth} still added directions; raise max_depth for a sure count")
     if not draws.vectorised:
         notes.append("torch.func.vmap failed on this module; fields were drawn one by one (slow path)")
-    if span.rank == 0 and d > 0:
-        notes.insert(0, DEGENERATE_NOTE)
     return CountResult(
         parameters=d, rank=span.rank, laws=d - span.rank, ranks_by_depth=ranks, expected=expected_laws(module, expected),
         seconds=time.perf_counter() - start, seed=seed, tolerance=span.tol, gap=span.gap(), dtype=str(dtype).replace("torch.", ""),
