@@ -17,11 +17,13 @@ from flowgeom.cli._common import (
     positive_int, print_json, resolve_device,
 )
 from flowgeom.errors import FlowgeomError
+from flowgeom.limits import LIMITS
 
 ROLES = ("q", "k", "v", "o", "gate", "up", "down")
 METHODS = ("svd", "whiten", "basis-sharing", "share", "continuity", "drop-angular", "drop-bi")
 DEFAULT_CALIB_TOKENS = 16384  # flowgeom.compress.calibrate.DEFAULT_TOKENS (kept here: --help imports no torch)
 BUDGET_TOL = 0.01  # an obtained saving further than this from --budget is shown loudly
+MAX_LAYERS = LIMITS["num_hidden_layers"][1]  # no config may declare more layers, so no --group can be larger
 
 
 def _budgets(text: str) -> tuple[float, ...]:
@@ -230,8 +232,9 @@ def register_verbs(verbs) -> None:
                         "sweep.png) to --out instead of a checkpoint")
     p.add_argument("--eval-tokens", type=bounded_int(2), default=4096,
                    help="held-out KJV tokens scored per --sweep point (default 4096)")
-    p.add_argument("--group", type=positive_int, default=2,
-                   help="adjacent layers per shared basis for basis-sharing and share (default 2)")
+    p.add_argument("--group", type=positive_int(maximum=MAX_LAYERS), default=2,
+                   help="adjacent layers per shared basis for basis-sharing and share, 1..the model's layers "
+                        f"(at most {MAX_LAYERS}; default 2)")
     p.add_argument("--space", choices=("auto", "seed", "opposite", "input", "output"),
                    help="--method share only: seed (q,k,gate,up input; o,down output; v per layer, default), "
                         "opposite, one space for all, or auto (the analyzer's measurement)")

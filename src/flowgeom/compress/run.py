@@ -28,7 +28,7 @@ import torch
 
 from flowgeom.compress import plan as C
 from flowgeom.compress.calibrate import DEFAULT_TOKENS
-from flowgeom.compress.blocks import opposite
+from flowgeom.compress.blocks import layer_groups, opposite
 from flowgeom.errors import FlowgeomError, choice_error, positive_int
 
 SPACE_CHOICES = ("auto", "seed", "opposite", "input", "output")
@@ -156,6 +156,8 @@ def compress_model(config: ShareConfig, cfg, state, source: Path, tokenizer, *, 
     from flowgeom.nn.llama import llama_from_state
 
     L = cfg.num_hidden_layers
+    if config.method in ("basis-sharing", "share"):
+        layer_groups(L, config.group)  # --group within 1..L, refused before the calibration (minutes on a real model)
     facts: dict[str, Any] = {"notes": []}
     calib = None
     cache = calib_cache if calib_cache is not None else {}
