@@ -2,7 +2,7 @@
 
 **Folder layout** (what ``flowgeom continuity share`` writes)::
 
-    config.json               the HF Llama config (transformers reads it as is)
+    config.json               the HF Llama config, model_type flowgeom_factored (flowgeom.compress.auto)
     model.safetensors         every tensor that is not compressed (embeddings, norms, dense projections)
                               + per unit  factored.<role>.<first>-<last>.basis
                               + per layer model.layers.<l>.<module>.coeff
@@ -106,9 +106,12 @@ def save_factored(folder: Path, config_json: dict, compressed: Compressed, state
     """Write the factored folder (module docstring) into ``folder``, tensors in ``dtype``."""
     from flowgeom.compress.write import write_model_files
 
+    from flowgeom.compress.auto import factored_config_json
+
     tensors, meta = factored_tensors(compressed, state, tie=bool(config_json.get("tie_word_embeddings")),
                                      dtype=dtype)
-    write_model_files(folder, tensors, config_json, tokenizer=tokenizer, report=report, extra={JSON_NAME: meta})
+    write_model_files(folder, tensors, factored_config_json(config_json), tokenizer=tokenizer, report=report,
+                      extra={JSON_NAME: meta})
 
 
 def is_factored(path: str | Path) -> bool:
@@ -161,6 +164,7 @@ def _units(folder: Path, meta: object, n_layers: int) -> list[FactoredUnit]:
 
 def read_factored(folder: str | Path) -> tuple[object, list[FactoredUnit], dict[str, torch.Tensor]]:
     """``(LlamaConfig, units, tensors)`` of a factored folder, every tensor checked against the JSON."""
+    from flowgeom.compress.auto import base_config_json
     from flowgeom.files import read_regular, regular_file
     from flowgeom.io.checkpoints import parse_json
     from flowgeom.io.sources import open_source
@@ -172,8 +176,8 @@ def read_factored(folder: str | Path) -> tuple[object, list[FactoredUnit], dict[
             raise _bad(folder, f"{name} is missing")
         regular_file(folder / name, name)
     try:  # read_regular: bounded, and a file swapped for a FIFO after the check cannot block
-        cfg = LlamaConfig.from_hf(parse_json(read_regular(folder / "config.json", "config.json", fix=_FIX),
-                                             "config.json"))
+        cfg = LlamaConfig.from_hf(base_config_json(parse_json(read_regular(folder / "config.json", "config.json",
+                                                                            fix=_FIX), "config.json")))
         meta = parse_json(read_regular(folder / JSON_NAME, JSON_NAME, fix=_FIX), JSON_NAME)
     except FlowgeomError as exc:
         raise FlowgeomError(f"{folder}: {exc}") from None
