@@ -18,12 +18,17 @@ order term, not the prediction, shows).
 Round-off. The optimiser stores θ' in the weights' dtype, which moves every
 entry by at most u·|θ'_i| (u: the dtype's unit round-off, 2^-24 for float32);
 for the laws of the catalogue (differences of squared norms of slices, so
-‖A‖₂ ≤ 1 per law) that moves h by at most 2u·S, with S = Σ_p ‖p‖²_F over the
-parameters the law reads (S^{1/2} for a linear law). The gradient itself is
-computed in the weights' dtype, which leaves a first-order term of the same
-order. The tolerance is ROUNDOFF_SAFETY·Σ_k u·S_k over the steps, plus the
-float64 evaluation of h (n·2^-53·S per evaluation, n the longest dimension the
-law sums over).
+‖A‖₂ ≤ 1 per law) that moves h by at most b_k = 2u·S_k, with S = Σ_p ‖p‖²_F
+over the parameters the law reads (S^{1/2} for a linear law). The gradient is
+computed in the weights' dtype too, which leaves a first-order term of about
+the same size: b_k = 4u·S_k per step. Summed linearly over k steps this bound
+is far above what rounding does (errors of different steps do not align), so
+the steps' errors are taken as independent and unbiased, and Hoeffding's
+inequality bounds their sum: |Σ e_k| > z·(Σ_k b_k²)^{1/2} with probability
+below 2·exp(−z²/2), 3e-8 for z = ROUNDOFF_SIGMAS = 6. Add the float64
+evaluation of h and ĥ (n·2^-53·S each, n the longest dimension the law sums
+over). A bfloat16/float16 update smaller than half an ulp is swallowed, a
+biased error this model does not cover: the monitor warns about such weights.
 
 **Beyond plain SGD** (:class:`DriftPredictor`, Kunin et al., ICLR 2021, "Neural Mechanics").
 
@@ -72,7 +77,8 @@ from torch import Tensor
 
 from flowgeom.errors import FlowgeomError
 
-ROUNDOFF_SAFETY = 4.0  # × the per-step bound 2u·S of the module docstring (covers the gradient's own round-off)
+ROUNDOFF_PER_STEP = 4.0  # b_k = 4u·S_k: the stored weights' rounding (2u·S) and the gradient's own, per step
+ROUNDOFF_SIGMAS = 6.0    # z of Hoeffding's bound on the sum of the steps' errors (module docstring)
 
 
 class DriftPredictor:
@@ -235,7 +241,7 @@ class SGDPrediction:
     def reset(self) -> None:
         """Start from the monitor's θ_0: ĥ = h(θ_0), no step, no round-off yet."""
         self.h = self.monitor.h0.clone()                                     # (total,) predicted h
-        self.roundoff = torch.zeros(len(self.monitor.items), dtype=torch.float64)  # (items,) Σ_k u·S_k
+        self.roundoff = torch.zeros(len(self.monitor.items), dtype=torch.float64)  # (items,) Σ_k (u·S_k)²
         self.steps = 0
 
     def scale(self, params: Sequence[Tensor]) -> Tensor:
@@ -247,12 +253,12 @@ class SGDPrediction:
     def advance(self, drive: Tensor, scale: Tensor) -> None:
         """One optimiser step: ``drive`` = h(Δ) (total,), ``scale`` = S^(d/2) per item after the step (items,)."""
         self.h = self.h + self._quad * drive.to(torch.float64)
-        self.roundoff = self.roundoff + self._unit * scale
+        self.roundoff = self.roundoff + (self._unit * scale) ** 2
         self.steps += 1
 
     def tolerance(self, scale: Tensor) -> Tensor:
         """The round-off allowed to ‖h_i − ĥ_i‖ per item (items,), ``scale`` = S^(d/2) now."""
-        return 2.0 * ROUNDOFF_SAFETY * self.roundoff + 2.0 * self._eval * scale
+        return ROUNDOFF_SIGMAS * ROUNDOFF_PER_STEP * self.roundoff.sqrt() + 2.0 * self._eval * scale
 
     def compare(self, values: Tensor, scale: Tensor) -> dict[str, float]:
         """``pred/…``, ``pred_err/…`` and ``pred_excess/…`` per law family for the measured ``values`` (total,)."""
