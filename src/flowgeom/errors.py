@@ -18,6 +18,14 @@ class FlowgeomError(ValueError):
     """Bad input or an unusable state, with a message fit for the user."""
 
 
+class RefusedInput(FlowgeomError):
+    """A file or path refused before anything read it or wrote through it: a FIFO, device or folder where a
+    file belongs, a dangling or looping link, a link out of the folder flowgeom writes in.
+
+    The input is at fault, not a computation: a sweep whose only failures are these exits 2, not 1.
+    """
+
+
 class InputError(FlowgeomError):
     """A problem whose fix depends on where the user is: an argument in Python, a flag on the CLI.
 

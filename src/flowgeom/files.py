@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, BinaryIO, TextIO
 
-from flowgeom.errors import FlowgeomError, shown
+from flowgeom.errors import FlowgeomError, RefusedInput, shown
 
 CHECKPOINT_FIX = "pass the checkpoint file itself"
 _CHUNK = 2**24  # bytes per read
@@ -65,7 +65,7 @@ def regular_file(path: Path, what: str, *, folder_ok: bool = False, fix: str = C
         info = os.stat(path)
     except FileNotFoundError:
         if os.path.islink(path):
-            raise FlowgeomError(f"{what} {shown(path)} is a dangling symlink (it points to "
+            raise RefusedInput(f"{what} {shown(path)} is a dangling symlink (it points to "
                                 f"{shown(os.readlink(path))}, which does not exist); fix or remove the link") from None
         if fix != CHECKPOINT_FIX:
             raise FlowgeomError(f"{what} {shown(path)} does not exist; {fix}") from None
@@ -73,7 +73,7 @@ def regular_file(path: Path, what: str, *, folder_ok: bool = False, fix: str = C
                             "or builtin:smollm2 / builtin:minilm") from None
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            raise FlowgeomError(f"{what} {shown(path)} is a symlink loop (it never reaches a file); "
+            raise RefusedInput(f"{what} {shown(path)} is a symlink loop (it never reaches a file); "
                                 "fix or remove the link") from None
         raise FlowgeomError(f"cannot access {what} {shown(path)} ({one_line(exc)}); check the path and its "
                             "permissions") from None
@@ -82,7 +82,7 @@ def regular_file(path: Path, what: str, *, folder_ok: bool = False, fix: str = C
     if stat.S_ISREG(info.st_mode) or (folder_ok and stat.S_ISDIR(info.st_mode)):
         return info
     kind = file_kind(info.st_mode)
-    raise FlowgeomError(f"{what} {shown(path)} is {kind}, not a regular file; it was not opened (reading a FIFO "
+    raise RefusedInput(f"{what} {shown(path)} is {kind}, not a regular file; it was not opened (reading a FIFO "
                         f"or device can block forever): {fix}")
 
 
@@ -219,13 +219,13 @@ def _folder_error(flag: str, path: Path) -> FlowgeomError:
     return FlowgeomError(f"{flag} {path} is a folder; {flag} takes a file name, e.g. {path / 'report.json'}")
 
 
-def _link_error(what: str, path: Path, link: Path, root: Path) -> FlowgeomError:
+def _link_error(what: str, path: Path, link: Path, root: Path) -> RefusedInput:
     try:
         target = os.readlink(link)
     except OSError:  # removed meanwhile
         target = "?"
-    return FlowgeomError(f"{what} {path} goes through the symlink {link} (-> {target}); flowgeom never writes "
-                         f"through a link out of {root}: remove the link")
+    return RefusedInput(f"{what} {path} goes through the symlink {link} (-> {target}); flowgeom never writes "
+                        f"through a link out of {root}: remove the link")
 
 
 def _write_error(what: str, path: Path, exc: OSError) -> FlowgeomError:
@@ -288,7 +288,7 @@ def _below(root: Path, path: Path, what: str) -> tuple[str, ...]:
     except ValueError:
         parts = ()
     if not parts or ".." in parts:
-        raise FlowgeomError(f"{what} {path} is not inside {root}; flowgeom writes only inside it")
+        raise RefusedInput(f"{what} {path} is not inside {root}; flowgeom writes only inside it")
     return parts
 
 
@@ -431,7 +431,7 @@ def open_append(path: str | os.PathLike, *, root: str | os.PathLike | None = Non
     path, fd, name, info = _output(path, root=root, inputs=(), what=what)
     try:
         if info is not None and not stat.S_ISREG(info.st_mode):
-            raise FlowgeomError(f"{path} is {file_kind(info.st_mode)}, not a regular file; remove it and run again")
+            raise RefusedInput(f"{path} is {file_kind(info.st_mode)}, not a regular file; remove it and run again")
         flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0) | _CLOEXEC
         try:
             out = os.open(name, flags, 0o644, dir_fd=fd)
@@ -441,5 +441,5 @@ def open_append(path: str | os.PathLike, *, root: str | os.PathLike | None = Non
         os.close(fd)
     if not stat.S_ISREG(os.fstat(out).st_mode):  # swapped in after the check
         os.close(out)
-        raise FlowgeomError(f"{path} changed into a non-regular file while being opened; remove it and run again")
+        raise RefusedInput(f"{path} changed into a non-regular file while being opened; remove it and run again")
     return os.fdopen(out, "a", encoding="utf-8", newline=newline)

@@ -2,9 +2,11 @@
 
 Parses the arguments, calls the pipeline (:func:`flowgeom.reproduce.pipeline.run`:
 plan → sweep → verdict → report) and prints its summary. Exit code 0 when
-every run finished, 1 when some failed (the report is still written, naming
-them), 2 for bad input (unwritable ``--out``, an
-``--out`` that already holds runs without ``--resume``, unknown area/claim).
+every run finished, 1 when some run failed (the report is still written,
+naming them), 2 for bad input: unwritable ``--out``, an ``--out`` that
+already holds runs without ``--resume``, unknown area/claim, and a sweep whose
+every failure is a refused input (a FIFO ``metrics.jsonl``, a linked
+``rejected/`` or run folder; one error line after the summary).
 """
 
 from __future__ import annotations
@@ -67,8 +69,22 @@ def run_reproduce(args: argparse.Namespace, *, claims: Sequence[Any] | None = No
 
 
 def exit_code(report: dict[str, Any]) -> int:
-    """0 when every run finished, 1 when some failed (the report still names them)."""
-    return 1 if report["sweep"]["failed"] else 0
+    """0 when every run finished, 1 when some run failed (the report still names them).
+
+    When every failure is a refused input, the input is at fault, not a run: :class:`FlowgeomError` (one line,
+    exit 2) naming the first.
+    """
+    sweep = report["sweep"]
+    if not sweep["failed"]:
+        return 0
+    refused = [r for r in sweep["runs"] if r["status"] == "failed" and r.get("refused")]
+    if len(refused) < sweep["failed"]:
+        return 1
+    from flowgeom.errors import FlowgeomError
+
+    first = refused[0]
+    raise FlowgeomError(f"{len(refused)} run(s) refused their inputs, and no run failed otherwise; first, "
+                        f"{first['run']}: {first['error']}; fix that, then rerun with --resume")
 
 
 def register(sub) -> None:

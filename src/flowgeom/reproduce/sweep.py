@@ -66,7 +66,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flowgeom.errors import FlowgeomError, choice_error, positive_int
+from flowgeom.errors import FlowgeomError, RefusedInput, choice_error, positive_int
 from flowgeom.files import read_text, regular_file
 from flowgeom.reproduce.registry import Claim, RunFn, run_id
 from flowgeom.runs import RunFolder, atomic_write_bytes, atomic_write_json, confined
@@ -96,18 +96,23 @@ class RunSpec:
 
 @dataclass(frozen=True)
 class Outcome:
-    """What happened to one run: ``finished``, ``skipped`` (already finished) or ``failed``."""
+    """What happened to one run: ``finished``, ``skipped`` (already finished) or ``failed``.
+
+    ``refused``: it failed on a refused input (:class:`~flowgeom.errors.RefusedInput`: a FIFO in its folder, a
+    link out of the sweep), not in a computation.
+    """
 
     key: str
     status: str
     seconds: float = 0.0
     error: str = ""
     resumed: bool = False
+    refused: bool = False
     files: dict[str, str] = field(default_factory=dict, compare=False)  # sha256 of the result files (finished)
 
     def as_dict(self) -> dict[str, Any]:
         return {"run": self.key, "status": self.status, "seconds": round(self.seconds, 3),
-                "error": self.error, "resumed": self.resumed}
+                "error": self.error, "resumed": self.resumed, "refused": self.refused}
 
 
 def plan(claims: Sequence[Claim], *, scale: str, out: str | os.PathLike) -> list[RunSpec]:
@@ -222,7 +227,7 @@ def _execute(spec: RunSpec, resume: bool) -> Outcome:
     try:  # a run folder (or a folder above it) planted as a link would carry every write outside the sweep
         confined(_root(spec), spec.path, "run folder")
     except FlowgeomError as exc:
-        return Outcome(spec.key, "failed", error=str(exc))
+        return Outcome(spec.key, "failed", error=str(exc), refused=isinstance(exc, RefusedInput))
     folder = RunFolder(spec.path)
     if folder.finished:
         return Outcome(spec.key, "skipped")
@@ -247,7 +252,8 @@ def _execute(spec: RunSpec, resume: bool) -> Outcome:
                                root=folder.path)
         except Exception:  # noqa: BLE001 - the folder itself may be what failed
             pass
-        return Outcome(spec.key, "failed", time.perf_counter() - start, error=reason, resumed=resuming)
+        return Outcome(spec.key, "failed", time.perf_counter() - start, error=reason, resumed=resuming,
+                       refused=isinstance(exc, RefusedInput))
 
 
 def result_files(path: str | os.PathLike) -> dict[str, str]:
@@ -344,7 +350,7 @@ def vet(spec: RunSpec, manifest: Manifest) -> Outcome | None:
         confined(_root(spec), spec.path, "run folder")
     except FlowgeomError as exc:
         return Outcome(spec.key, "failed", error=f"its results cannot be trusted ({reason}) and it cannot be moved "
-                       f"aside: {exc}")
+                       f"aside: {exc}", refused=isinstance(exc, RefusedInput))
     try:
         if aside.exists():
             shutil.rmtree(aside)
@@ -384,6 +390,7 @@ class SweepResult:
 
     def as_dict(self) -> dict[str, Any]:
         counts = {s: sum(o.status == s for o in self.outcomes) for s in ("finished", "skipped", "failed")}
+        counts["refused"] = sum(o.refused for o in self.failed)  # of the failed: on a refused input
         return {"backend": self.backend, "seconds": round(self.seconds, 3), **counts,
                 "runs": [o.as_dict() for o in self.outcomes]}
 
