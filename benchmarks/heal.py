@@ -5,7 +5,7 @@ inference (each in a fresh subprocess).
 
 FOLDER is a compressed folder (``continuity share builtin:smollm2 --out FOLDER --budget 0.2``).
 
-1. Time: one heal step (teacher forward under inference_mode, student forward with per-block gradient
+1. Time: one heal step (teacher forward without autograd, student forward with per-block gradient
    checkpointing, KL, backward, AdamW) against one dense training step (forward, LM loss, backward, AdamW on
    every parameter), same batch of 4 x 256 KJV tokens, interleaved ``--repeats`` times: the median ratio.
 2. Memory: peak RSS of (a) the dense model's inference at sequence 512, (b) three heal steps, each in a fresh
@@ -79,9 +79,9 @@ def main() -> None:
     dense_opt = torch.optim.AdamW(list(dense.parameters()), lr=1e-6)
 
     def heal_step() -> None:
-        with torch.inference_mode():
+        with torch.no_grad():
             target = teacher(batch)
-        loss = distillation_loss(student_logits(student.model, batch, checkpointing=True), target.clone())
+        loss = distillation_loss(student_logits(student.model, batch, checkpointing=True), target)
         heal_opt.zero_grad(set_to_none=True)
         loss.backward()
         heal_opt.step()

@@ -26,7 +26,7 @@ Cost and safety:
 
 * memory: the student's blocks are recomputed in the backward pass
   (``torch.utils.checkpoint`` per block), and the teacher's logits are computed
-  batch by batch under ``inference_mode`` and dropped after the step: nothing is
+  batch by batch without autograd and dropped after the step: nothing is
   stored for the corpus;
 * every ``checkpoint_every`` steps the trainable tensors, the optimiser state and
   the history go to ``<work>/checkpoint.safetensors`` (flowgeom's pickle-free
@@ -432,10 +432,9 @@ def heal_folder(folder: str | Path, out: str | Path, config: HealConfig, *, forc
             group["lr"] = lr
         starts = batch_starts(k, len(ids), config)
         batch = torch.stack([ids[s: s + config.seq_len] for s in starts.tolist()]).long()  # (B, T)
-        with torch.inference_mode():
+        with torch.no_grad():  # not inference_mode: the KL's backward keeps p_T, which an inference tensor refuses
             target = teacher(batch)  # (B, T, vocab), dropped after the step
-        loss = distillation_loss(student_logits(student.model, batch, checkpointing=config.checkpointing),
-                                 target.clone())
+        loss = distillation_loss(student_logits(student.model, batch, checkpointing=config.checkpointing), target)
         value = float(loss.detach())
         if run.first_loss is None:
             run.first_loss = value
