@@ -17,8 +17,10 @@ numbers; and where a checkpoint holds the callback's state, its exact
 plain-SGD prediction (:class:`flowgeom.laws.predict.SGDPrediction`) is
 replayed, so both give the same verdict. Without that file the first checkpoint
 is the reference, and the verdict line says so ("from checkpoint-20; θ_0
-unknown"). A θ_0 file saved for another model (other laws or shapes) is not
-used, and the line says that too.
+unknown"); the prediction is then the part of the callback's between the
+first checkpoint and each later one (ĥ_j − ĥ_first = Σ τ²·h(g) over the steps
+between), when both hold its state. A θ_0 file saved for another model (other
+laws or shapes) is not used, and the line says that too.
 
 A series must be one model: every checkpoint has the first one's family
 (``model_type``) and exactly its parameter names and shapes, else one error
@@ -238,6 +240,32 @@ def _saved_optimizer(state: dict[str, Any] | None) -> OptimizerInfo | None:
         return info_of_kind(saved["kind"])
 
 
+def _prediction_state(state: dict[str, Any] | None, monitor) -> dict[str, Any] | None:
+    """The monitor part of a saved callback state, when it is this model's and holds the plain-SGD prediction."""
+    saved = (state or {}).get("monitor")
+    if (state is None or state.get("fingerprint") != monitor.fingerprint() or not isinstance(saved, dict)
+            or not all(isinstance(saved.get(k), torch.Tensor) for k in ("h0", "sgd_h", "sgd_roundoff", "sgd_steps"))):
+        return None
+    return saved
+
+
+def _prediction_between(first: dict[str, Any] | None, later: dict[str, Any] | None,
+                        base: dict[str, Any]) -> dict[str, Any]:
+    """``base`` (θ_0 := the first checkpoint) with the prediction of the steps between two saved states of one run.
+
+    ĥ_later − ĥ_first = Σ h(Δ_k) over the steps between them, whatever θ_0 was; round-off adds in quadrature.
+    Without both states (or from two runs): ``base`` alone, no prediction.
+    """
+    if first is None or later is None or not torch.equal(first["h0"], later["h0"]):
+        return base
+    steps = int(later["sgd_steps"]) - int(first["sgd_steps"])
+    if steps < 0:
+        return base
+    return {**base, "sgd_h": base["h0"] + (later["sgd_h"] - first["sgd_h"]),
+            "sgd_roundoff": (later["sgd_roundoff"] - first["sgd_roundoff"]).clamp_min(0.0),
+            "sgd_steps": torch.tensor(steps, dtype=torch.int64)}
+
+
 def find_reference(series: Sequence[Checkpoint]) -> Path | None:
     """The ``flowgeom_theta0.safetensors`` of the run: in the one folder that holds every checkpoint folder."""
     from flowgeom.integrations.session import REFERENCE_FILE
@@ -315,10 +343,14 @@ def checkpoint_drift(paths: Sequence[str | os.PathLike], *, config: str | os.Pat
         state = _saved_state(ck)
         states.append(state)
         if ref is not None:  # the callback's prediction at this checkpoint, when it measured from the same θ_0
-            saved = (state or {}).get("monitor")
-            same = (state is not None and state.get("fingerprint") == ref["fingerprint"] and isinstance(saved, dict)
-                    and isinstance(saved.get("h0"), torch.Tensor) and torch.equal(saved["h0"], ref["monitor"]["h0"]))
+            saved = _prediction_state(state, monitor)
+            same = saved is not None and torch.equal(saved["h0"], ref["monitor"]["h0"])
             monitor.load_state_dict(saved if same else ref["monitor"])
+        elif i == 0:
+            base = monitor.state_dict()  # θ_0 := this checkpoint, as measured
+        else:  # the prediction between the first checkpoint and this one, when the callback saved both
+            monitor.load_state_dict(_prediction_between(_prediction_state(states[0], monitor),
+                                                        _prediction_state(state, monitor), base))
         rec = monitor.step(ck.step if ck.step is not None else i)
         rec = {"checkpoint": str(ck.path), **rec}
         for v in monitor.verdicts(rec, threshold=threshold):

@@ -59,7 +59,9 @@ MARCOTTE = "Marcotte et al., ICML 2024 (Keep the momentum)"
 KINDS = ("sgd", "sgd+wd", "momentum", "adam", "other")
 
 EXPECT = {
-    "sgd": ("held", "plain SGD: the laws are conserved up to the O(τ²k) finite-step term; expect held"),
+    "sgd": ("held", "plain SGD: the laws are conserved up to the O(τ²k) finite-step term; expect held (judged "
+                    "by the ratio, a heuristic: the steps' gradients were not seen, so the exact drift Σ τ²·h(g) is "
+                    "unknown)"),
     "sgd+wd": ("broken", f"SGD with weight decay: quadratic laws decay as e^(−2λt) ({KUNIN}); expect broken "
                          "unless the monitor rescales them (weight_decay=λ, lr=τ)"),
     "momentum": ("broken", f"SGD with momentum: the gradient-flow laws are lost under momentum ({MARCOTTE}); "
