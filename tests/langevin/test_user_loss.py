@@ -58,15 +58,20 @@ def test_factory_errors_name_the_file_and_the_fix(tmp_path):
 
         def nan_loss():
             return (lambda x: x.sum() * float("nan"), torch.ones(3))
+
+        def detached():
+            return (lambda x: x.detach().pow(2).sum(), torch.ones(3))
         """))
     cases = {
         "needs_args": "cannot be built without arguments",
         "wrong": "returned a int; NAME must be a zero-argument factory returning (loss_fn, theta0) or a "
                  "flowgeom.langevin.Objective",
-        "float32_model": "loss_fn failed at theta0 in float64 (RuntimeError",
+        "float32_model": "loss_fn raised RuntimeError: ",
         "not_scalar": "loss_fn must return a real scalar tensor, got a tensor of shape [3]",
         "nan_loss": "loss_fn is nan at theta0",
-        "missing": "has no attribute 'missing'; candidates: float32_model, nan_loss, needs_args, not_scalar, wrong",
+        "detached": "loss_fn's value does not depend on theta through torch autograd",
+        "missing": "has no attribute 'missing'; candidates: detached, float32_model, nan_loss, needs_args, not_scalar, "
+                   "wrong",
     }
     for name, fragment in cases.items():
         with pytest.raises(FlowgeomError) as info:
@@ -76,6 +81,16 @@ def test_factory_errors_name_the_file_and_the_fix(tmp_path):
         load_objective(f"{path}:float32_model")
     with pytest.raises(FlowgeomError, match=r"path/to/file.py:NAME"):
         objective("nonsense")
+
+
+def test_a_loss_that_raises_far_out_is_one_error_naming_the_radius():
+    def loss(x):
+        if x.norm() > 100:
+            raise OverflowError("too far")
+        return x.pow(2).sum()
+
+    with pytest.raises(FlowgeomError, match=r"mine: loss_fn raised OverflowError: too far at ‖θ‖ = [0-9.e+]+ in float64"):
+        probe(loss_objective(loss, torch.ones(3, dtype=torch.float64), name="mine"), rays=1)
 
 
 def test_factory_randomness_is_seeded_and_the_global_stream_untouched(tmp_path):

@@ -74,8 +74,8 @@ def _check_value(value: object, where: str) -> None:
     if not isinstance(value, torch.Tensor) or value.numel() != 1 or value.is_complex():
         got = f"a tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
         raise FlowgeomError(f"{where} must return a real scalar tensor, got {got}; return the mean loss")
-    if not math.isfinite(float(value)):
-        raise FlowgeomError(f"{where} is {float(value)} at theta0; the probe needs a finite loss there")
+    if not math.isfinite(float(value.detach())):
+        raise FlowgeomError(f"{where} is {float(value.detach())} at theta0; the probe needs a finite loss there")
 
 
 def loss_objective(loss_fn: Callable, theta0: Mapping[str, torch.Tensor] | torch.Tensor, *,
@@ -100,17 +100,25 @@ def loss_objective(loss_fn: Callable, theta0: Mapping[str, torch.Tensor] | torch
             raise FlowgeomError(f"{name}: theta0[{key!r}] must be a non-empty floating-point tensor, got {got}")
     theta0 = {k: t.detach().to(torch.float64).clone() for k, t in start.items()}
     shapes = {k: tuple(t.shape) for k, t in theta0.items()}
-    loss = (lambda p: loss_fn(p[SINGLE])) if single else loss_fn
-    try:
-        with torch.no_grad():
-            value = loss(theta0)
-    except KeyboardInterrupt:
-        raise
-    except Exception as exc:  # noqa: BLE001 - the user's code: any failure is reported with the fix
-        raise FlowgeomError(f"{name}: loss_fn failed at theta0 in float64 ({describe(exc)}); the Villani probe "
-                            "evaluates V in float64: build the model in float64 (model.double()) in the factory, "
-                            "and make loss_fn take what theta0 holds") from None
+
+    def loss(p: Params) -> torch.Tensor:
+        """``loss_fn`` with its failures, anywhere on a path, as one FlowgeomError naming where."""
+        try:
+            return loss_fn(p[SINGLE]) if single else loss_fn(p)
+        except KeyboardInterrupt:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the user's code: any failure is reported with the fix
+            radius = math.sqrt(sum(float(t.detach().pow(2).sum()) for t in p.values()))
+            raise FlowgeomError(f"{name}: loss_fn raised {describe(exc)} at ‖θ‖ = {radius:.3g} in float64; the "
+                                "Villani probe evaluates V in float64 far from theta0: build the model in float64 "
+                                "(model.double()) in the factory, and make loss_fn take what theta0 holds") from None
+
+    probe_point = {k: t.clone().requires_grad_(True) for k, t in theta0.items()}
+    value = loss(probe_point)
     _check_value(value, f"{name}: loss_fn")
+    if not value.requires_grad:
+        raise FlowgeomError(f"{name}: loss_fn's value does not depend on theta through torch autograd; compute it "
+                            "with torch operations on the tensors it is given (no .detach(), .item() or numpy)")
     pairs = lora_pairs(shapes)
     orbit = _lora_orbit(pairs) if pairs else None
     rank = max((shapes[a][0] for a, _ in pairs), default=0)
