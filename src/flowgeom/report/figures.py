@@ -109,11 +109,45 @@ def curves(path: str | os.PathLike, series: Mapping[str, tuple[Sequence[float], 
         ax.plot(list(x), list(y), marker="o", ms=3, label=name)
     if logx:
         ax.set_xscale("log")
+        _log_labels(ax.xaxis, [v for x, _ in series.values() for v in x])
     if logy:
         ax.set_yscale("log")
+        _log_labels(ax.yaxis, [v for _, y in series.values() for v in y])
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
     if series:
         ax.legend(fontsize=7)
     return save(fig, path)
+
+
+def _log_labels(axis, values: Sequence[float]) -> None:
+    """Readable labels on a log axis whose data span under two decades.
+
+    matplotlib then labels the minor ticks too (2, 3, 4, 6 × 10ⁿ), which run
+    into each other (``3×10⁻³4×10⁻³`` on the τ axis of the O(τ²k) figure);
+    labels go on 1, 2 and 5 × 10ⁿ only, when at least two of those lie in the
+    data's range (``tests/report/test_figure_labels.py`` checks every figure).
+    """
+    import math
+
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
+
+    positive = [float(v) for v in values if v is not None and math.isfinite(v) and v > 0]
+    if not positive:
+        return
+    low, high = min(positive), max(positive)
+    if math.log10(high / low) >= 2:
+        return
+    marks = [m * 10.0 ** e for e in range(math.floor(math.log10(low)), math.ceil(math.log10(high)) + 1)
+             for m in (1, 2, 5)]
+    if sum(low <= m <= high for m in marks) < 2:
+        return
+    def label(value: float, _pos=None) -> str:  # 0.005 -> 5×10⁻³, 0.01 -> 10⁻² (mathtext, as matplotlib writes them)
+        exponent = math.floor(math.log10(value) + 1e-9)
+        mantissa = round(value / 10.0 ** exponent)
+        return f"$10^{{{exponent}}}$" if mantissa == 1 else f"${mantissa}\\times10^{{{exponent}}}$"
+
+    axis.set_major_locator(FixedLocator(marks))  # the view keeps its autoscaled limits; marks outside are not drawn
+    axis.set_major_formatter(FuncFormatter(label))
+    axis.set_minor_formatter(NullFormatter())
