@@ -93,7 +93,7 @@ def loss_objective(loss_fn: Callable, theta0: Mapping[str, torch.Tensor] | torch
     if not isinstance(start, Mapping) or not start:
         raise FlowgeomError(f"{name}: theta0 must be a tensor or a non-empty dict name -> tensor, got "
                             f"{type(theta0).__name__}; e.g. {{n: p for n, p in model.named_parameters() "
-                            "if p.requires_grad}}")
+                            "if p.requires_grad}")
     for key, t in start.items():
         if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point or t.numel() == 0:
             got = f"{t.dtype} tensor of {t.numel()} elements" if isinstance(t, torch.Tensor) else type(t).__name__
