@@ -171,3 +171,10 @@ def test_share_heal_compresses_then_heals_in_place(capsys, tiny, tmp_path):  # n
     read_factored(out)  # still a valid factored folder
     code, _, err = _share(capsys, tiny, tmp_path / "d", "--budget", "0.4", "--dense", "--heal", "768")
     assert code == 2 and "--heal trains the factors" in err
+
+
+def test_a_finished_heal_removes_its_work_folder_and_keeps_its_log(capsys, tiny, tmp_path):  # noqa: F811
+    folder = _compressed(capsys, tiny, tmp_path)
+    heal_folder(folder, tmp_path / "done", _cfg(tiny))
+    assert not (tmp_path / "done.heal").exists()
+    assert {"heal.jsonl", "heal.json", "heal.png"} <= {p.name for p in (tmp_path / "done").iterdir()}

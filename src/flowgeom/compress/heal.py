@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -371,8 +372,8 @@ def heal_folder(folder: str | Path, out: str | Path, config: HealConfig, *, forc
                 on_eval: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Heal the compressed ``folder`` into the folder ``out`` (module docstring); returns the heal report.
 
-    The run's state lives in ``<out>.heal/`` (checkpoint, ``heal.jsonl``) until the healed folder is written;
-    ``heal.jsonl`` and ``heal.png`` are copied into ``out``. ``in_place`` allows ``out == folder`` (``share
+    The run's state lives in ``<out>.heal/`` (checkpoint, ``heal.jsonl``) until the healed folder is written
+    (then it is removed; a diverged run keeps it); ``heal.jsonl``, ``heal.json`` and ``heal.png`` go into ``out``. ``in_place`` allows ``out == folder`` (``share
     --heal``: the folder is read whole before it is replaced).
     """
     from flowgeom.compress.folder import JSON_NAME
@@ -494,4 +495,5 @@ def heal_folder(folder: str | Path, out: str | Path, config: HealConfig, *, forc
     write_folder(out, fill, force=force or in_place)
     if stop is not None:
         raise FlowgeomError(f"{stop}; written to {out}")
+    shutil.rmtree(work, ignore_errors=True)  # done: heal.jsonl and heal.json are in out; the checkpoint is spent
     return heal
