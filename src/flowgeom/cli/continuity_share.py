@@ -20,7 +20,7 @@ from flowgeom.errors import FlowgeomError
 from flowgeom.limits import LIMITS
 
 ROLES = ("q", "k", "v", "o", "gate", "up", "down")
-METHODS = ("svd", "whiten", "basis-sharing", "share", "continuity", "drop-angular", "drop-bi")
+METHODS = ("svd", "whiten", "basis-sharing", "share", "continuity", "drop-angular", "drop-bi", "mixed")
 DEFAULT_CALIB_TOKENS = 16384  # flowgeom.compress.calibrate.DEFAULT_TOKENS (kept here: --help imports no torch)
 BUDGET_TOL = 0.01  # an obtained saving further than this from --budget is shown loudly
 MAX_LAYERS = LIMITS["num_hidden_layers"][1]  # no config may declare more layers, so no --group can be larger
@@ -42,7 +42,7 @@ def _share_config(args: argparse.Namespace):
     return ShareConfig(method=args.method, budget=budget if not args.sweep else args.sweep[0], rank=args.rank,
                        roles=args.roles, group=args.group, space=args.space, calib=args.calib,
                        calib_tokens=args.calib_tokens, sequential=args.sequential, refit=args.refit,
-                       dense=args.dense, cache=not args.no_cache, dtype=args.dtype)
+                       dense=args.dense, cache=not args.no_cache, dtype=args.dtype, allocate=args.allocate)
 
 
 def _stage_progress(enabled: bool):
@@ -220,7 +220,8 @@ def register_verbs(verbs) -> None:
                         "al. 2025 (q,k,v,gate,up shared in input space over --group layers); share: whitened "
                         "sharing in --space; continuity: each role's space and which adjacent layers share, "
                         "from the measured continuity; drop-angular / drop-bi: drop whole blocks (Gromov et al. "
-                        "2024 / ShortGPT), a plain Llama with fewer layers")
+                        "2024 / ShortGPT), a plain Llama with fewer layers; mixed: drop n blocks (angular) and "
+                        "low-rank the rest to the budget, n chosen by measured calibration loss")
     p.add_argument("--roles", type=comma_list(ROLES, what="role"), default=ROLES,
                    help="roles to compress, comma-separated (default all seven)")
     size = p.add_mutually_exclusive_group()
@@ -245,6 +246,11 @@ def register_verbs(verbs) -> None:
                         "projection input of SmolLM2, so every Gram is full rank and well conditioned)")
     p.add_argument("--sequential", action="store_true",
                    help="calibrate each group on the already-compressed earlier layers (SVD-LLM / Basis Sharing)")
+    p.add_argument("--allocate", choices=("even", "loss"),
+                   help="ranks: even (the rank rule per role) or loss (every whitened singular component scored by "
+                        "the calibration loss it costs, selected model-wide at the budget; a projection stays dense "
+                        "where factoring saves nothing). Default: loss for calibrated methods (measured better, "
+                        "docs/continuity-sharing.md), even for svd and --rank")
     p.add_argument("--refit", action="store_true",
                    help="re-solve shared coefficients by least squares against each layer's own Gram")
     p.add_argument("--dense", action="store_true", help="write plain Llama weights instead of bases + coefficients")

@@ -232,3 +232,83 @@ def cached_calibration(model, state: dict[str, torch.Tensor], ids: torch.Tensor,
     except (OSError, FlowgeomError):
         pass  # a read-only cache only costs time
     return calib, False
+
+
+# ---------------------------------------------------------------- calibration gradients
+
+def logits_of(model, ids: torch.Tensor, *, root: bool = False) -> torch.Tensor:
+    """The Llama's logits (B, T, vocab) block by block, as :func:`calibrate` runs it (RoPE tables for the
+    calibration length, whatever the config's positions). ``root``: the embeddings start an autograd graph,
+    so every projection's output gets a gradient while no weight needs one."""
+    from flowgeom.nn.llama import rope_tables
+
+    h = model.model.embed_tokens(ids)  # (B, T, d)
+    if root:
+        h = h.detach().requires_grad_()
+    cos, sin = rope_tables(model.config, ids.shape[1], dtype=h.dtype, device=h.device)
+    for layer in model.model.layers:
+        h = layer(h, cos, sin)
+    return model.lm_head(model.model.norm(h))
+
+
+GRAD_TOKENS = 4096  # calibration tokens whose gradients score the components (8 sequences of 512)
+
+
+def sensitivity(model, ids: torch.Tensor, probes: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], *,
+                batch: int = 2, progress: Callable[[int, int], None] | None = None
+                ) -> tuple[dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], float]:
+    """First- and second-order loss estimates of removing rank-one pieces of the projections
+    (:mod:`flowgeom.compress.allocate` has the maths), and the model's calibration loss.
+
+    ``probes[(layer, role)] = (P (m, r), Q (r, n))``: removing piece i changes that projection's weight by
+    ``-P[:, i] Q[i, :]``. L is the mean next-token NLL over all of ``ids`` (S, T), float32; per token t of
+    the projection's input ``x_t`` and output gradient ``g_t = ∂L/∂y_t``, with ``a = g P`` and ``b = x Q^T``:
+    ``first = -sum_t a_t * b_t`` and ``fisher = (N/2) sum_t (a_t * b_t)^2`` (N targets), each (r,).
+    Memory: one batch's activations and gradients (the weights need no gradient); ``batch`` sequences at a
+    time, SmolLM2 at 512 tokens ~0.8 GB a sequence.
+    """
+    from flowgeom.compress.blocks import HF_NAMES
+
+    S, T = ids.shape
+    n_targets = S * (T - 1)
+    first = {key: torch.zeros(P.shape[1], dtype=torch.float64) for key, (P, _) in probes.items()}
+    fisher = {key: torch.zeros(P.shape[1], dtype=torch.float64) for key, (P, _) in probes.items()}
+    handles = []
+
+    def watch(key):
+        P, Q = (t.float() for t in probes[key])
+
+        def forward_hook(_m, args, out):
+            x = args[0].detach()
+
+            def on_grad(g):
+                with torch.no_grad():
+                    ab = (g.reshape(-1, g.shape[-1]) @ P) * (x.reshape(-1, x.shape[-1]) @ Q.T)  # (B T, r)
+                    first[key].sub_(ab.sum(0).double())
+                    fisher[key].add_(ab.double().square().sum(0) * (n_targets / 2))
+            out.register_hook(on_grad)
+        return forward_hook
+
+    for (layer, role) in probes:
+        module = model.model.layers[layer].get_submodule(HF_NAMES[role])
+        handles.append(module.register_forward_hook(watch((layer, role))))
+    flags = [p.requires_grad for p in model.parameters()]
+    model.requires_grad_(False)
+    total = 0.0
+    try:
+        for i in range(0, S, batch):
+            x = ids[i:i + batch]
+            logits = logits_of(model, x, root=True)  # (B, T, vocab)
+            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), x[:, 1:].reshape(-1),
+                                   reduction="sum") / n_targets
+            loss.backward()
+            total += float(loss.detach())
+            del logits, loss
+            if progress:
+                progress(min(i + batch, S), S)
+    finally:
+        for handle in handles:
+            handle.remove()
+        for p, flag in zip(model.parameters(), flags):
+            p.requires_grad_(flag)
+    return {key: (first[key], fisher[key]) for key in probes}, total

@@ -27,8 +27,10 @@ fraction is reported next to the asked one (:attr:`Plan.saved_fraction`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -69,14 +71,15 @@ class Plan:
     ratio: float  # asked-for fraction saved
     units: tuple[Unit, ...]
     notes: tuple[str, ...] = ()
+    dense: tuple[Unit, ...] = ()  # in scope but left dense: factoring them at their allocated rank saves nothing
 
     @property
     def dense_params(self) -> int:
-        return sum(u.dense_params for u in self.units)
+        return sum(u.dense_params for u in self.units + self.dense)
 
     @property
     def stored_params(self) -> int:
-        return sum(u.stored_params for u in self.units)
+        return sum(u.stored_params for u in self.units) + sum(u.dense_params for u in self.dense)
 
     @property
     def saved_fraction(self) -> float:
@@ -85,17 +88,24 @@ class Plan:
     def by_role(self) -> dict[str, dict]:
         """Per role: space(s), groups, ranks, asked and obtained saved fraction."""
         out: dict[str, dict] = {}
-        for u in self.units:
+        for u in self.units + self.dense:
             r = out.setdefault(u.role, {"spaces": [], "groups": [], "ranks": [], "dense": 0, "stored": 0,
-                                        "shape": list(u.shape)})
+                                        "shape": list(u.shape), "dense_layers": []})
+            r["dense"] += u.dense_params
+            if u in self.dense:  # kept dense: full rank, no error
+                r["dense_layers"] += list(u.layers)
+                r["stored"] += u.dense_params
+                r.setdefault("rel_error", []).extend(0.0 for _ in u.layers)
+                continue
             r["spaces"].append(u.space)
             r["groups"].append(list(u.layers))
             r["ranks"].append(u.rank)
-            r["dense"] += u.dense_params
             r["stored"] += u.stored_params
         for r in out.values():
             r["saved_fraction"] = 1 - r["stored"] / r["dense"]
-            r["space"] = r["spaces"][0] if len(set(r["spaces"])) == 1 else "mixed"
+            r["space"] = (r["spaces"][0] if len(set(r["spaces"])) == 1 else "mixed") if r["spaces"] else "dense"
+            if not r["ranks"]:  # every layer of the role kept dense
+                r["ranks"] = [min(r["shape"])]
         return out
 
 
@@ -340,3 +350,87 @@ def compress_sequential(plan_: Plan, model, ids: torch.Tensor, *, refit: bool = 
     calib = calibrate(model, ids, groups=calibration_groups(plan_, n_layers), batch=batch, on_group=on_group,
                       progress=progress)
     return Compressed(plan_, [f for f in factors], notes), calib
+
+
+# ---------------------------------------------------------------- loss-aware ranks
+
+ALLOCATIONS = ("even", "loss")
+LOSS_SCORE, LOSS_RULE = "taylor", "lagrange"  # the measured best (docs/continuity-sharing.md)
+
+
+def full_factors(plan_: Plan, state: Mapping[str, torch.Tensor], calib: Calibration) -> list[fz.Factors]:
+    """Every unit of ``plan_`` factorised at full rank (``min(m, n)``), float32: all its components."""
+    out = []
+    for u in plan_.units + plan_.dense:
+        mats = torch.stack([state[weight_key(l, u.role)] for l in u.layers])
+        out.append(_as_float(fz.factorize(mats, calib.role_grams(u.role, u.layers), min(u.shape), u.space)))
+    return out
+
+
+def truncate(f: fz.Factors, rank: int) -> fz.Factors:
+    """The first ``rank`` components of ``f`` (what :func:`fz.factorize` gives at that rank)."""
+    if f.space == "input":
+        return fz.Factors("input", f.basis[:rank].contiguous(), tuple(c[:, :rank].contiguous() for c in f.coeffs),
+                          f.sigma, f.shift)
+    return fz.Factors("output", f.basis[:, :rank].contiguous(), tuple(c[:rank].contiguous() for c in f.coeffs),
+                      f.sigma, f.shift)
+
+
+def probes(units: Sequence[Unit], factors: Sequence[fz.Factors]) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    """Per (layer, role): ``(P (m, r), Q (r, n))`` with ``W_l = P Q`` component by component (allocate's docstring)."""
+    out = {}
+    for u, f in zip(units, factors):
+        for l, c in zip(u.layers, f.coeffs):
+            out[(l, u.role)] = (c, f.basis) if f.space == "input" else (f.basis, c)
+    return out
+
+
+def candidates(units: Sequence[Unit], sens: Mapping[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
+               score: str = LOSS_SCORE) -> list:
+    """One :class:`~flowgeom.compress.allocate.Candidate` per unit: its layers' estimates summed."""
+    from flowgeom.compress.allocate import Candidate, component_cost
+
+    out = []
+    for u in units:
+        first = sum(sens[(l, u.role)][0] for l in u.layers)
+        fisher = sum(sens[(l, u.role)][1] for l in u.layers)
+        out.append(Candidate(component_cost(first, fisher, score), fz.stored_per_rank(*u.shape, len(u.layers), u.space),
+                             u.dense_params))
+    return out
+
+
+def with_ranks(plan_: Plan, units: Sequence[Unit], ranks: Sequence[int | None], note: str) -> Plan:
+    """``plan_`` with ``units`` at ``ranks`` (None: left dense)."""
+    kept = tuple(Unit(u.role, u.space, u.layers, k, u.shape) for u, k in zip(units, ranks) if k is not None)
+    dense = tuple(u for u, k in zip(units, ranks) if k is None)
+    return Plan(plan_.method, plan_.ratio, kept, plan_.notes + (note,), dense)
+
+
+def allocate_by_loss(plan_: Plan, state: Mapping[str, torch.Tensor], calib: Calibration, model: Callable[[], Any],
+                     ids: torch.Tensor, *, score: str = LOSS_SCORE, rule: str = LOSS_RULE,
+                     progress: Callable[[int, int], None] | None = None, cache: dict | None = None
+                     ) -> tuple[Plan, dict]:
+    """``plan_``'s units (same spaces and groups) with ranks chosen by the loss each component costs
+    (:mod:`flowgeom.compress.allocate`), at the savings ``plan_.ratio`` asks of the same scope. ``model()``
+    builds a flowgeom Llama with ``state``'s weights, whose calibration gradients on ``ids`` score the
+    components; ``cache`` keeps the estimates per unit layout (a sweep measures them once)."""
+    from flowgeom.compress import allocate as A
+    from flowgeom.compress.calibrate import sensitivity
+
+    units = plan_.units + plan_.dense
+    key = tuple((u.role, u.space, u.layers) for u in units)
+    if cache is not None and key in cache:
+        sens, loss = cache[key]
+    else:
+        sens, loss = sensitivity(model(), ids, probes(units, full_factors(plan_, state, calib)), progress=progress)
+        if cache is not None:
+            cache[key] = (sens, loss)
+    cands = candidates(units, sens, "first" if rule == "zero-sum" else score)
+    scope = sum(u.dense_params for u in units)
+    target = math.ceil(plan_.ratio * scope)
+    ranks = A.allocate(cands, target, rule)
+    n_dense = sum(k is None for k in ranks)
+    new = with_ranks(plan_, units, ranks, f"ranks allocated by the calibration loss ({score}, {rule}); "
+                                          f"{n_dense} projection group(s) left dense")
+    return new, {"calib_loss": loss, "grad_tokens": int(ids.numel()), "predicted_loss_increase":
+                 A.predicted(cands, ranks), "dense_units": n_dense}

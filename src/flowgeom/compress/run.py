@@ -33,6 +33,7 @@ from flowgeom.errors import FlowgeomError, choice_error, positive_int
 
 SPACE_CHOICES = ("auto", "seed", "opposite", "input", "output")
 DROP_METHODS = ("drop-angular", "drop-bi")  # whole blocks dropped: Gromov et al.'s angular distance, ShortGPT's BI
+MIXED = "mixed"  # drop n blocks + low rank on the rest (flowgeom.compress.mixed)
 STORAGE = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
@@ -53,10 +54,12 @@ class ShareConfig:
     dense: bool = False
     cache: bool = True
     dtype: str = "float32"  # storage of a factored folder: float32, float16 or bfloat16
+    allocate: str | None = None  # even | loss ranks; None: loss where calibrated (the measured better), else even
 
     def __post_init__(self):
-        if self.method not in C.METHODS + DROP_METHODS:
-            raise choice_error("method", self.method, C.METHODS + DROP_METHODS)
+        if self.method not in C.METHODS + DROP_METHODS + (MIXED,):
+            raise choice_error("method", self.method, C.METHODS + DROP_METHODS + (MIXED,))
+        self._check_allocate()
         if self.method in DROP_METHODS and (self.rank is not None or self.sequential or self.refit
                                             or self.dtype != "float32"):
             raise FlowgeomError(f"--method {self.method} drops whole blocks at a --budget; --rank, --sequential, "
@@ -90,6 +93,27 @@ class ShareConfig:
     @property
     def calibrated(self) -> bool:
         return self.method != "svd"
+
+    def _check_allocate(self) -> None:
+        if self.allocate is not None and self.allocate not in C.ALLOCATIONS:
+            raise choice_error("allocate", self.allocate, C.ALLOCATIONS)
+        if self.allocate == "loss" and self.method == "svd":
+            raise FlowgeomError("--allocate loss needs calibration gradients; --method svd is data-free: use "
+                                "--method whiten (or --allocate even)")
+        if self.allocate is not None and self.method in DROP_METHODS:
+            raise FlowgeomError(f"--method {self.method} drops whole blocks; --allocate applies to low-rank methods")
+        if self.allocate == "loss" and self.rank is not None:
+            raise FlowgeomError("--rank fixes every rank; --allocate loss allocates ranks at a --budget")
+        if self.method == MIXED and (self.rank is not None or self.sequential or self.refit or self.dense):
+            raise FlowgeomError("--method mixed drops blocks and low-ranks the rest at a --budget; --rank, "
+                                "--sequential, --refit and --dense do not apply")
+
+    @property
+    def allocation(self) -> str:
+        """``even`` or ``loss``: as asked, else loss wherever calibration gradients exist and ranks are free."""
+        if self.allocate is not None:
+            return self.allocate
+        return "even"
 
 
 def resolve_spaces(space: str | None, roles: Sequence[str], evidence: Mapping[str, Mapping] | None
@@ -196,6 +220,9 @@ def compress_model(config: ShareConfig, cfg, state, source: Path, tokenizer, *, 
                calib=calib, continuity=evidence)
     if config.rank is not None:
         p = C.with_rank(p, config.rank)
+    facts["allocate"] = config.allocation
+    if config.allocation == "loss":
+        p, facts["allocation"] = _loss_ranks(config, cfg, state, p, calib, cache, progress)
     facts["notes"] += list(p.notes)
     step = (lambda d, t: progress("factorise", d, t)) if progress else None
     if config.sequential:
@@ -206,6 +233,17 @@ def compress_model(config: ShareConfig, cfg, state, source: Path, tokenizer, *, 
         compressed = C.compress(p, state, calib, refit=config.refit, progress=step)
     facts["notes"] += compressed.notes
     return compressed, facts
+
+
+def _loss_ranks(config: ShareConfig, cfg, state, p: C.Plan, calib, cache: dict, progress: Progress | None):
+    """``p`` with ranks allocated by the calibration loss (:func:`flowgeom.compress.plan.allocate_by_loss`)."""
+    from flowgeom.compress.calibrate import GRAD_TOKENS
+    from flowgeom.nn.llama import llama_from_state
+
+    ids = cache["ids"][: max(1, GRAD_TOKENS // config.seq_len)]
+    step = (lambda d, t: progress("gradients", d, t)) if progress else None
+    return C.allocate_by_loss(p, state, calib, lambda: llama_from_state(cfg, state), ids, progress=step,
+                              cache=cache.setdefault("sensitivity", {}))
 
 
 def drop_blocks(config: ShareConfig, cfg, state, source: Path, tokenizer, *, progress: Progress | None = None,
@@ -273,6 +311,10 @@ def share_model(source: str, out: Path, config: ShareConfig, *, force: bool = Fa
     if config.method in DROP_METHODS:
         return _share_by_dropping(source, out, config, cfg, state, path, tokenizer, force=force, progress=progress,
                                   t0=t0)
+    if config.method == MIXED:
+        from flowgeom.compress.mixed import share_mixed
+
+        return share_mixed(source, out, config, cfg, state, path, tokenizer, force=force, progress=progress, t0=t0)
     compressed, facts = compress_model(config, cfg, state, path, tokenizer, progress=progress)
     report = build_report(source, out, config, cfg, state, compressed, facts)
     report["tokenizer"] = None if tokenizer is None else "tokenizer.json"
