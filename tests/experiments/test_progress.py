@@ -136,3 +136,10 @@ def test_eta_over_a_tour_never_unknown_after_the_first_heartbeat_and_within_30_p
     assert "?" not in etas[1:] and len(lines) > 3 * len(runs)
     halfway = len(runs) // 2
     assert errors[halfway] <= 0.30, errors
+
+
+def test_parallel_workers_cannot_split_one_run():
+    t = Ticker(3, lambda line: None, jobs=2, groups={"a": "a", "b": "b", "c": "c"},
+               sizes={"a": 1.0, "b": 100.0, "c": 10.0}, clock=Clock())
+    t.done("a", "a", "finished", 1.0)  # rate 1 s per unit: b 100 s, c 10 s
+    assert t.eta() == pytest.approx(100.0)  # not (100 + 10) / 2

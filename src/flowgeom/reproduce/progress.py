@@ -26,7 +26,7 @@ how far the finished runs of the run's own claim were from that prediction
 (Σ seconds / Σ rate × size; 1 before one has finished), since a claim's runs
 are alike and claims are not. The ETA is the expected seconds of the runs
 not yet ended, minus what the running ones have spent, divided by the
-parallel workers. Runs kept from an earlier sweep take no time and are not
+parallel workers (and never less than the longest of those runs alone). Runs kept from an earlier sweep take no time and are not
 counted; a run without a size is expected to take the mean of its claim's
 finished runs, else of all finished runs.
 
@@ -135,7 +135,7 @@ class Ticker:
         if rate is None:  # nothing sized has finished: a running sized run's cost so far bounds the rate from below
             seen = [(now - since) / self.sizes[k] for k, (_, since) in self.running.items() if k in self.sizes]
             rate, bounded = (max(seen), True) if seen and max(seen) > 0 else (None, False)
-        left = 0.0
+        left, longest = 0.0, 0.0
         keys = self.pending | set(self.running)
         unnamed = max(0, self.total - self.finished - len(keys))  # runs the ticker knows only by their count
         if unnamed:
@@ -156,7 +156,8 @@ class Ticker:
                     continue
                 expected -= spent
             left += expected
-        return left / self.jobs, bounded
+            longest = max(longest, expected)
+        return max(left / self.jobs, longest), bounded  # parallel workers cannot split one run
 
     def _rate(self) -> float | None:
         """Seconds per unit of size from the sized runs that finished (Σ seconds / Σ size), or None."""
