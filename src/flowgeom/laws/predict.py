@@ -213,8 +213,9 @@ class SGDPrediction:
     gradient the step used, clipping included, and the learning rate of that step). Quadratic laws
     (degree 2) are driven by h(Δ); linear laws (degree 1) are predicted not to move; controls and
     refuted claims, and laws of any other degree, have no prediction. :meth:`compare` gives, per
-    family, ``pred/…`` (ε of ĥ), ``pred_err/…`` (‖h − ĥ‖ / ‖h − h_0‖) and ``pred_excess/…`` (the
-    largest ‖h_i − ĥ_i‖ / tolerance_i over the family's laws: ≤ 1 is round-off).
+    family, ``pred/…`` (ε of ĥ), ``pred_err/…`` (‖h − ĥ‖ / ‖h − h_0‖; quadratic families only: a linear
+    law's drift is round-off, nothing to compare) and ``pred_excess/…`` (the largest ‖h_i − ĥ_i‖ /
+    tolerance_i over the family's laws: ≤ 1 is round-off).
     """
 
     def __init__(self, monitor: Any):
@@ -271,15 +272,19 @@ class SGDPrediction:
         gaps, drifts = mon.aggregate(mon.relative(h, hp), "g"), mon.aggregate(mon.relative(h, h0), "g")
         excess = gap_abs / self.tolerance(scale).clamp_min(torch.finfo(torch.float64).tiny)
         worst: dict[str, float] = {}
+        driven = set()  # families with a quadratic law: a predicted drift to compare with (a linear one has none)
         for t, covered, x in zip(mon.items, self.covered.tolist(), excess.tolist()):
             if covered:
                 worst[t.family] = max(worst.get(t.family, 0.0), x)
+                if t.law.degree == 2:
+                    driven.add(t.family)
         for key, g in gaps.items():
             fam = key[2:]
             if "@" in fam or fam not in worst:
                 continue
             d = drifts[key]
-            out[f"pred_err/{fam}"] = g / d if d > 0 else (0.0 if g == 0 else float("inf"))
+            if fam in driven:
+                out[f"pred_err/{fam}"] = g / d if d > 0 else (0.0 if g == 0 else float("inf"))
             out[f"pred_excess/{fam}"] = worst[fam]
         return {k: v for k, v in out.items() if k.split("/", 1)[1] in worst}
 
