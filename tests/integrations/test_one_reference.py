@@ -65,6 +65,15 @@ def test_drift_measures_from_the_callbacks_theta0_and_agrees(gpt2_run):
     assert vo["eps"] > 1e-6 and vo["predicted"] == pytest.approx(vo["eps"], rel=1e-2) and vo["excess"] < 1
 
 
+def test_one_checkpoint_is_enough_with_theta0(gpt2_run, tmp_path):
+    out, cb = gpt2_run
+    result = checkpoint_drift([out / "checkpoint-40"])
+    assert result["steps"] == [40] and result["summary"]["line"] == cb.summary["line"]
+    shutil.copytree(out / "checkpoint-40", tmp_path / "checkpoint-40")
+    with pytest.raises(FlowgeomError, match="at least 2 checkpoints"):
+        checkpoint_drift([tmp_path / "checkpoint-40"])
+
+
 def test_the_cli_prints_the_callbacks_line(gpt2_run, capsys):
     out, cb = gpt2_run
     paths = [str(p) for p in sorted(out.glob("checkpoint-*"))]

@@ -296,9 +296,9 @@ def register(sub) -> None:
                         "flowgeom conserve drift w0.safetensors w1.safetensors --config config.json --json",
                 func=drift_cmd)
     p.add_argument("checkpoints", nargs="+", metavar="CHECKPOINT",
-                   help="HF Trainer checkpoint-N folders, save_pretrained folders or .safetensors files (≥ 2; "
-                        "sorted by step; measured from the run's θ_0 when its flowgeom_theta0.safetensors is beside "
-                        "them, else from the first, and the verdict line says which)")
+                   help="HF Trainer checkpoint-N folders, save_pretrained folders or .safetensors files (sorted by "
+                        "step; measured from the run's θ_0 when its flowgeom_theta0.safetensors is beside them, then "
+                        "one is enough, else from the first of ≥ 2, and the verdict line says which)")
     p.add_argument("--reference", default=None, metavar="THETA0",
                    help="the flowgeom_theta0.safetensors a ConservationCallback wrote into the Trainer's output_dir "
                         "(default: the one in the folder holding the checkpoints, if any)")

@@ -87,10 +87,12 @@ def _step_of(path: Path) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def resolve(paths: Sequence[str | os.PathLike], config: str | os.PathLike | None = None) -> list[Checkpoint]:
+def resolve(paths: Sequence[str | os.PathLike], config: str | os.PathLike | None = None, *,
+            minimum: int = 2) -> list[Checkpoint]:
     """Check every path and order the series by step (validate first: nothing is loaded yet)."""
-    if len(paths) < 2:
-        raise FlowgeomError(f"drift needs at least 2 checkpoints (the first is θ_0), got {len(paths)}; "
+    if len(paths) < minimum:
+        raise FlowgeomError(f"drift needs at least 2 checkpoints (the first is the reference), or one beside the "
+                            f"run's flowgeom_theta0.safetensors, got {len(paths)}; "
                             "e.g. flowgeom conserve drift out/checkpoint-*")
     cfg = Path(config) if config is not None else None
     if cfg is not None and not cfg.is_file():
@@ -311,7 +313,10 @@ def checkpoint_drift(paths: Sequence[str | os.PathLike], *, config: str | os.Pat
     if reference is not None and not Path(reference).is_file():
         raise FlowgeomError(f"--reference {shown(reference)} is not a file; pass the flowgeom_theta0.safetensors a "
                             "ConservationCallback wrote into the Trainer's output_dir")
-    series = resolve(paths, config)
+    series = resolve(paths, config, minimum=1)
+    ref_path = Path(reference) if reference is not None else find_reference(series)
+    if len(series) < 2 and ref_path is None:
+        resolve(paths, config)  # the error: one checkpoint and no θ_0 to measure it from
     first = series[0]
     cfg0 = _load_config(first)
     for ck in series[1:]:
@@ -324,8 +329,9 @@ def checkpoint_drift(paths: Sequence[str | os.PathLike], *, config: str | os.Pat
     _load_into(model, first, first)  # all of θ_0: a zero-baseline law's scale may read its whole block
     model.to(device)
     monitor = ConservationMonitor(model, warn=False, heads=heads, positions=positions)
-    ref_path = Path(reference) if reference is not None else find_reference(series)
     ref, unused = _use_reference(monitor, ref_path) if ref_path is not None else (None, None)
+    if ref is None and len(series) < 2:
+        raise FlowgeomError(f"one checkpoint and no θ_0 to measure it from ({unused}); pass at least 2 checkpoints")
     if ref is not None:
         source = {"kind": "theta0", "path": str(ref_path), "step": ref["step"]}
         named = None if ref["step"] == 0 else f"from θ_0 = step {ref['step']} (a rebased resume)"
