@@ -218,3 +218,18 @@ def test_quadratic_laws_are_quadratic_forms(arch, opts):
             assert law.degree == 1, law.name
             err = law.evaluate(comb(1, 1)) - ha - hb
         assert float(err.abs().max()) <= 1e-12 * scale, law.name
+
+
+def test_a_saved_prediction_is_replayed_only_where_it_can_be_followed():
+    model = build("swiglu", seed=0).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    mon = _monitor(model, opt)
+    _sgd(model, mon, opt, 3)
+    state = mon.state_dict()
+    assert int(state["sgd_steps"]) == 3
+    off = _monitor(model, opt, predict=False)  # trains but does not follow the steps: the prediction would not move
+    off.load_state_dict(state)
+    assert off.prediction is None
+    replay = ConservationMonitor(model, warn=False)  # no optimiser: conserve drift's replay of a checkpoint
+    replay.load_state_dict(state)
+    assert replay.prediction.steps == 3 and torch.equal(replay.prediction.h, mon.prediction.h)

@@ -290,6 +290,7 @@ class ConservationMonitor:
             self._degree = degs[self._seg]  # (total,)
         self.prediction: SGDPrediction | None = None  # the exact plain-SGD drift (module docstring)
         self._hook = None
+        self._trains = optimizer is not None  # a training monitor; without an optimiser a saved prediction is replayed
         self.reset()
         if predict and optimizer is not None and is_plain_sgd(optimizer) and not self.weight_decay:
             self._track_sgd(unwrap_optimizer(optimizer))
@@ -587,10 +588,13 @@ class ConservationMonitor:
                                     f"{self._h0_norm.numel()} laws; it was saved for another model")
             self._h0_norm = denominator.to(torch.float64).clone()
         saved = {k[4:]: v for k, v in state.items() if k.startswith("sgd_")}
-        if saved:  # the prediction continues (a resume) or is replayed (conserve drift reads it from a checkpoint)
+        if saved and (self._hook is not None or not self._trains):
+            # the prediction continues (a resume that follows the steps again) or is replayed (no optimiser:
+            # conserve drift reads it from a checkpoint); a training monitor that does not follow the steps
+            # (predict=False, not plain SGD) leaves it, since it would not move
             if self.prediction is None:
                 self.prediction = SGDPrediction(self)
             self.prediction.load_state_dict(saved)
-        elif self.prediction is not None:  # saved without it: the steps before the resume are unknown
+        elif not saved and self.prediction is not None:  # saved without it: the steps before the resume are unknown
             self.close()
             self.prediction = None
