@@ -25,6 +25,7 @@ from synthetic_checkpoints import llama_state
 
 from flowgeom.cli import main
 from flowgeom.continuity import AnalyzeConfig, analyze
+from flowgeom.continuity.analyze import role_memory
 from flowgeom.errors import FlowgeomError
 
 
@@ -32,6 +33,8 @@ def _without_run_details(report: dict) -> dict:
     report = dict(report, config=dict(report["config"]))
     report.pop("seconds")
     report["config"].pop("workers")
+    report["roles"] = {role: {k: v for k, v in r.items() if k not in ("seconds", "seconds_per_layer")}
+                       for role, r in report["roles"].items()}  # wall times per role
     return report
 
 
@@ -95,7 +98,7 @@ def test_cli_threads_do_not_change_the_report(tmp_path, capsys):
 def test_workers_are_capped_by_free_memory_with_a_warning(monkeypatch):
     state = llama_state(layers=4, d=24, kv=8, hidden=40, seed=4)
     serial = analyze(state, AnalyzeConfig(k=2))
-    window = 2 * (1 + 1) * 8 * 40 * 24  # 2 x (batch + distance) x float64 bytes (the default dtype) of 40 x 24
+    window = role_memory((40, 24), stored=4, compute=8)  # the largest role (gate, up: 40 x 24), float64 compute
     # 80% of 3 windows (flowgeom.memory's one rule): room for two workers, not three
     monkeypatch.setattr("flowgeom.memory.available_memory", lambda device: 3 * window)
     capped = analyze(state, AnalyzeConfig(k=2, workers=5))
@@ -144,6 +147,7 @@ def test_ctrl_c_stops_the_other_roles_within_a_layer():
 CHILD = r"""
 import sys, time
 from flowgeom.continuity import AnalyzeConfig, analyze
+from flowgeom.continuity.analyze import role_memory
 
 def progress(role, done, total):
     sys.stdout.write(f"{role} {done}\n")  # one write per line: the two workers' lines never interleave

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 import threading
+import time
 from pathlib import Path
 
 from flowgeom.cli._common import add_device, add_json, add_seed, add_threads, area, command, console, print_json, resolve_device
@@ -30,25 +31,75 @@ def _distances(text: str) -> tuple[int, ...]:
     return values
 
 
-def _progress(enabled: bool):
-    """A rich progress bar on stderr (only on a terminal), as an ``analyze`` progress callback."""
-    if not enabled or not sys.stderr.isatty():
-        return None, None
-    from rich.console import Console
-    from rich.markup import escape
-    from rich.progress import Progress
+class _Progress:
+    """The analyze progress callback: matrices done, roles done, elapsed, ETA, as a bar or as plain lines.
 
-    bar = Progress(console=Console(stderr=True), transient=True)
-    tasks: dict[str, int] = {}
-    lock = threading.Lock()  # roles report from parallel worker threads
+    ``analyze`` calls :meth:`start` once with ``{role: (layers, cost)}`` (the relative work of each
+    role, :func:`flowgeom.continuity.analyze._role_cost`), then ``self(role, done, total)`` after every
+    layer, from worker threads when roles run in parallel. The ETA weighs each finished layer by its
+    role's cost per layer (a gate layer of Llama-8B costs ~60 k layers), so it does not swing as the
+    large roles, which run first, finish. ``mode``: "bar" (rich, on a terminal) or "lines" (one line
+    on stderr every ``every`` seconds and at the end: logs, pipes, benchmarks).
+    """
 
-    def update(role: str, done: int, total: int) -> None:
-        with lock:
-            if role not in tasks:
-                tasks[role] = bar.add_task(f"role {escape(role)}", total=total)
-            bar.update(tasks[role], completed=done)
+    def __init__(self, mode: str, every: float = 10.0):
+        self.mode, self.every = mode, every
+        self.lock = threading.Lock()  # roles report from parallel worker threads
+        self.plan: dict[str, tuple[int, int]] = {}
+        self.done: dict[str, int] = {}
+        self.t0 = self.last = time.monotonic()
+        self.bar = self.task = None
 
-    return bar, update
+    def start(self, plan: dict[str, tuple[int, int]]) -> None:
+        self.plan, self.t0 = dict(plan), time.monotonic()
+        self.last = self.t0
+        if self.mode == "bar":
+            from rich.console import Console
+            from rich.progress import Progress
+
+            self.bar = Progress(console=Console(stderr=True), transient=True)
+            self.bar.start()
+            self.task = self.bar.add_task("continuity analyze", total=sum(n for n, _ in plan.values()))
+
+    def line(self) -> str:
+        total = sum(n for n, _ in self.plan.values())
+        done = sum(self.done.values())
+        roles = sum(self.done.get(r, 0) == n for r, (n, _) in self.plan.items())
+        work = sum(c for _, c in self.plan.values())
+        worked = sum(c * self.done.get(r, 0) / n for r, (n, c) in self.plan.items())
+        elapsed = time.monotonic() - self.t0
+        eta = elapsed * (work - worked) / worked if worked else None
+        return (f"continuity analyze: {done}/{total} layer matrices, {roles}/{len(self.plan)} roles done, "
+                f"{_clock(elapsed)} elapsed, ETA {_clock(eta) if eta is not None else '?'}")
+
+    def __call__(self, role: str, done: int, total: int) -> None:
+        with self.lock:
+            self.done[role] = done
+            now = time.monotonic()
+            if self.bar is not None:
+                self.bar.update(self.task, completed=sum(self.done.values()), description=self.line())
+            elif self.mode == "lines" and (now - self.last >= self.every or sum(self.done.values()) == sum(
+                    n for n, _ in self.plan.values())):
+                self.last = now
+                print(self.line(), file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+
+def _progress(mode: str, json_out: bool) -> _Progress | None:
+    """The progress reporter for ``--progress`` (auto: a bar on a terminal unless --json, else none)."""
+    if mode == "auto":
+        mode = "bar" if sys.stderr.isatty() and not json_out else "off"
+    if mode == "bar" and not sys.stderr.isatty():
+        mode = "lines"  # a bar needs a terminal; lines say the same in a log
+    return None if mode == "off" else _Progress(mode)
 
 
 def print_report(report: dict) -> None:
@@ -151,12 +202,12 @@ def run_analyze(args: argparse.Namespace) -> int:
         gram=not args.no_gram, heads=args.heads, kv_heads=args.kv_heads, merge_lora=args.merge_lora,
         lora_adapter=args.lora_adapter, spectra=args.spectra, workers=args.threads or torch.get_num_threads(),
     )
-    bar, update = _progress(not args.json)
-    if bar is not None:
-        with bar:
-            report = analyze(args.source, config, custom_roles=custom, progress=update)
-    else:
-        report = analyze(args.source, config, custom_roles=custom)
+    progress = _progress(args.progress, args.json)
+    try:
+        report = analyze(args.source, config, custom_roles=custom, progress=progress)
+    finally:
+        if progress is not None:
+            progress.close()
     for warning in report["warnings"]:  # incomplete role families, fused tensors not split: never silent
         print(f"flowgeom: warning: {warning}", file=sys.stderr)
     # Everything validated and computed: only now write outputs (atomically).
@@ -219,6 +270,9 @@ def add_analyze(verbs) -> None:
     add_threads(p, also="N roles are analysed at once, one BLAS thread each (a single role gets them all in BLAS); "
                         "the report is the same for any N, memory grows with it")
     p.add_argument("--threshold", type=positive_float, default=3.0, help="ratio to baseline that counts as continuous (default 3)")
+    p.add_argument("--progress", default="auto", choices=("auto", "bar", "lines", "off"),
+                   help="progress: layer matrices and roles done, elapsed, ETA; auto = a bar on a terminal unless "
+                        "--json (default), lines = one line on stderr every 10 s (logs), e.g. --json --progress lines")
 
 
 def register(sub) -> None:

@@ -36,10 +36,10 @@ import torch
 from flowgeom.continuity import _blas
 from flowgeom.continuity.baselines import METRICS, analytic_baselines, monte_carlo_baselines
 from flowgeom.continuity.metrics import gram_fro, gram_numerator, pair_metrics
-from flowgeom.continuity.layouts import NamingHints, hints_for
+from flowgeom.continuity.layouts import NamingHints, check_config_shapes, hints_for
 from flowgeom.continuity.naming import MatrixRef, resolve_roles
-from flowgeom.continuity.spectra import (SOLVERS, pairs_and_spectrum_from_gram, pairs_from_gram, small_gram, unit_scale,
-                                         unscale_pairs, unscale_values)
+from flowgeom.continuity.spectra import (DENSE_MAX_DIM, SOLVERS, GramOperator, bf16_gram, pairs_and_spectrum_from_gram,
+                                         pairs_from_gram, small_gram, unit_scale, unscale_pairs, unscale_values)
 from flowgeom.errors import FlowgeomError, finite_number, positive_int, require_choices
 from flowgeom.io import TensorSource, open_source
 from flowgeom.memory import USABLE_FRACTION, budget
@@ -100,7 +100,7 @@ def verdict(r_in: float | None, r_out: float | None, threshold: float) -> str:
 @dataclass
 class _LayerState:
     layer: int
-    matrix: torch.Tensor | None  # (m, n) compute dtype, on device (None with gram=False)
+    matrix: torch.Tensor | None  # (m, n) compute dtype, or bf16 as stored (see _layer_states); None with gram=False
     gram: torch.Tensor | None  # small-side Gram (None with gram=False)
     fro: torch.Tensor  # ||A^T A||_F
     pairs: object  # SingularPairs of this matrix
@@ -113,6 +113,7 @@ class _RoleRun:
     refs: list[MatrixRef]
     pairs: list[dict] = field(default_factory=list)
     spectra: list[dict] = field(default_factory=list)
+    seconds: float = 0.0  # wall time of the role (with workers > 1: while sharing the CPU with other roles)
 
 
 def _stats(values: Sequence[float]) -> dict[str, float]:
@@ -131,6 +132,7 @@ class Analyzer:
                                      lora_adapter=config.lora_adapter)
         self.layout = resolve_roles(source.shapes, custom=custom, only=config.roles,
                                     hints=hints).limited(config.max_layers, source.shapes)
+        check_config_shapes(self.layout.roles, hints)  # a tensor the config does not describe: refused, not analysed
         self.k_of: dict[str, int] = {}  # top-k per role: a router may have fewer rows (experts) than --k
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.dtype]
@@ -147,29 +149,53 @@ class Analyzer:
                 raise FlowgeomError(f"--distance {too_far[0]} leaves no pair among the {len(refs)} layers "
                                     f"of role {role}; use distances below {len(refs)}")
 
-    def _load(self, ref: MatrixRef) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(A 2^-e, e)`` in the compute dtype: extreme weights (1e25, 1e-30) rescaled exactly (spectra.unit_scale)."""
+    def role_memory(self, role: str) -> int:
+        """Peak bytes of analysing ``role`` (:func:`role_memory` with this checkpoint's dtypes and settings)."""
+        refs = self.layout.roles[role]
+        compute = torch.empty((), dtype=self.dtype).element_size()
+        stored = max(getattr(self.source, "itemsizes", {}).get(r.tensor, compute) for r in refs)
+        bf16 = self.config.gram and self.dtype == torch.float32 and self.device.type == "cpu" and stored == 2
+        return role_memory(refs[0].shape, stored=stored, compute=compute, batch=self.config.batch,
+                           keep=max(self.config.distances), gram=self.config.gram, bf16_window=bf16)
+
+    def _load(self, ref: MatrixRef) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(A 2^-e, e, A as stored)``: the first in the compute dtype, extreme weights (1e25, 1e-30) rescaled
+        exactly (spectra.unit_scale)."""
         t = ref.load(self.source)  # one tensor (or one expert of a stack), fused rows selected, LoRA merged
         if not t.is_floating_point():
             raise FlowgeomError(f"{ref.tensor} (role {ref.role}) has dtype {str(t.dtype).replace('torch.', '')}: the "
                                 "integer codes of a quantised checkpoint (without their scales) or not weights at "
                                 "all; dequantise the checkpoint to float first, or leave the role out with --roles")
-        return unit_scale(t.to(device=self.device), self.dtype)  # (m, n), ()
+        t = t.to(device=self.device)
+        return (*unit_scale(t, self.dtype), t)  # (m, n), (), (m, n)
 
     def _layer_states(self, refs: list[MatrixRef]) -> list[_LayerState]:
         loaded = [self._load(r) for r in refs]
-        exps = torch.stack([e for _, e in loaded])  # (B,) power-of-two scale of each matrix
-        loaded = [m for m, _ in loaded]
+        exps = torch.stack([e for _, e, _ in loaded])  # (B,) power-of-two scale of each matrix
+        keep = self.config.gram and self.dtype == torch.float32 and self.device.type == "cpu"
+        stored = [t if keep and t.dtype == torch.bfloat16 and not e.any() else None for _, e, t in loaded]
+        loaded = [m for m, _, _ in loaded]
         mats = loaded[0].unsqueeze(0) if len(loaded) == 1 else torch.stack(loaded)  # (B, m, n), no copy for B = 1
         del loaded
-        grams, side = small_gram(mats)
         k = self.k_of[refs[0].role]
         spectra = [None] * len(refs)
-        if self.config.spectra:  # the whole ESD: from the dense solver's own reduction, or a separate eigvalsh
+        d = min(mats.shape[-2:])
+        krylov = self.config.solver == "krylov" or (self.config.solver == "auto" and d > DENSE_MAX_DIM)
+        if krylov and not self.config.spectra and all(t is not None for t in stored):
+            # bf16 checkpoint: the float32 Gram is never formed. The similarity's Gram comes from a bf16 GEMM
+            # (exact products, float32 sums, entries rounded to bf16: spectra.bf16_gram), the eigenpairs from
+            # Krylov on the float32 matrix itself (spectra.GramOperator): ~0.6x the time of ?syrk + Krylov.
+            grams = torch.stack([bf16_gram(t)[0] for t in stored])  # (B, d, d) float32
+            side = "in" if mats.shape[-1] <= mats.shape[-2] else "out"  # the small side, as small_gram chooses
+            pairs = pairs_from_gram(mats, GramOperator(mats, side), side, k, solver="krylov", tol=self.config.tol,
+                                    seed=self.config.seed)
+        elif self.config.spectra:
+            grams, side = small_gram(mats)  # the whole ESD: from the dense solver's own reduction, or a separate eigvalsh
             pairs, values, how = pairs_and_spectrum_from_gram(mats, grams, side, k, solver=self.config.solver,
                                                              tol=self.config.tol, seed=self.config.seed)
             spectra = self._spectra(refs, unscale_values(values, exps), how, grams.dtype)
         else:
+            grams, side = small_gram(mats)
             pairs = pairs_from_gram(mats, grams, side, k, solver=self.config.solver, tol=self.config.tol,
                                     seed=self.config.seed)
         pairs = unscale_pairs(pairs, exps)  # true singular values (vectors and ratios are scale-free)
@@ -181,8 +207,10 @@ class Analyzer:
                                     "where it has been trained")
         if not self.config.gram:  # pairs only need the factors: drop the matrix and Gram right away
             return [_LayerState(r.layer, None, None, fros[i], pairs[i], spectra[i], side) for i, r in enumerate(refs)]
-        return [_LayerState(r.layer, mats[i], grams[i], fros[i], pairs[i], spectra[i], side)
-                for i, r in enumerate(refs)]
+        # a bf16 matrix stays in the window as stored: half the memory, and its cross products run as bf16
+        # GEMMs with float32 accumulation (metrics.cross_sq; float32 compute on CPU only, unscaled matrices)
+        return [_LayerState(r.layer, mats[i] if stored[i] is None else stored[i], grams[i], fros[i], pairs[i],
+                            spectra[i], side) for i, r in enumerate(refs)]
 
     def _spectra(self, refs: list[MatrixRef], values: torch.Tensor, how: str, dtype: torch.dtype) -> list[dict]:
         """Layer spectra of each matrix from its ESD ``values`` (B d), computed in ``dtype`` (powerlaw.layer_spectrum)."""
@@ -205,6 +233,7 @@ class Analyzer:
     def run_role(self, role: str, progress: Callable[[int], None] | None = None) -> _RoleRun:
         refs = self.layout.roles[role]
         run, window = _RoleRun(refs), []
+        t0 = time.perf_counter()
         keep = max(self.config.distances)
         for start in range(0, len(refs), self.config.batch):
             for st in self._layer_states(refs[start:start + self.config.batch]):
@@ -218,6 +247,7 @@ class Analyzer:
                 window = (window + [st])[-keep:]
                 if progress:
                     progress(1)
+        run.seconds = time.perf_counter() - t0
         return run
 
     def baselines(self, shape: tuple[int, int], k: int | None = None) -> tuple[dict[str, float], dict[str, float]]:
@@ -250,29 +280,62 @@ class Analyzer:
             "v1_baseline": base["v1"], "u1_baseline": base["u1"], "v1_ratio": r_in, "u1_ratio": r_out,
             "verdict": verdict(r_in, r_out, self.config.threshold),
             "min_gap": min(s["gap"] for s in run.spectra),
+            "seconds": run.seconds, "seconds_per_layer": run.seconds / len(run.refs),
             "metrics": metrics, "by_distance": by_distance, "pairs": run.pairs, "spectra": run.spectra,
             **({"layer_spectra": layer_spectra_summary(run.spectra)} if self.config.spectra else {}),
         }
 
 
-def _workers(analyzer: Analyzer, config: AnalyzeConfig) -> tuple[int, list[str]]:
-    """``config.workers``, at most one per role, and no more than :func:`flowgeom.memory.budget` holds.
+def role_memory(shape: tuple[int, int], *, stored: int, compute: int, batch: int = 1, keep: int = 1,
+                gram: bool = True, bf16_window: bool = False) -> int:
+    """Bytes one worker holds at its peak for a role of ``(m, n)`` matrices (``d = min(m, n)``).
 
-    Each worker keeps ``batch + max(distances)`` matrices of its role plus about as many again of
-    Grams, cross products and solver workspace; a cap is reported as a warning, never silent.
+    ``stored``/``compute``: item sizes of the checkpoint's dtype and the compute dtype. At the peak a
+    worker holds the window of the last ``keep`` (= max distance) layers (each its matrix, as stored
+    when ``bf16_window``, and its ``d x d`` Gram; nothing with ``gram=False``), the ``batch`` layers
+    being read (as stored, converted, and their Grams), the cross product of a pair (``d x d``,
+    float32 and bf16) and the Krylov basis with ``G K`` (``2 d (d/3)`` at most,
+    spectra.krylov_top_eigenpairs). Measured at Llama-8B shapes: within 10% of the peak RSS growth.
+    """
+    m, n = shape
+    d = min(m, n)
+    window = keep * (m * n * (stored if bf16_window else compute) + d * d * compute) if gram else 0
+    current = batch * (m * n * (stored + compute) + d * d * compute)
+    work = d * d * 6 + 2 * d * (d // 3 + 16) * compute
+    return window + current + work
+
+
+def _memory_plan(analyzer: Analyzer, config: AnalyzeConfig) -> tuple[int, list[str]]:
+    """Workers that fit, and warnings; a :class:`FlowgeomError` when even one role at a time does not fit.
+
+    Each worker analyses one role at a time and needs :func:`role_memory` of it; ``config.workers``
+    workers need that many times the largest. The limit is :func:`flowgeom.memory.budget` (80% of
+    the memory available now). A cap is reported as a warning, never silent; a role that does not fit
+    alone is refused before anything is read, with the figure and the roles that would fit.
     """
     roles = analyzer.layout.roles
-    workers = min(config.workers, len(roles))
+    need = {role: analyzer.role_memory(role) for role in roles}
+    limit = budget(analyzer.device)
+    worst = max(need, key=need.get)
+    if need[worst] > limit:
+        fit = [role for role in roles if need[role] <= limit]
+        fix = (f"analyse the roles that fit with --roles {','.join(fit)}" if fit else
+               "no role fits: free memory, or use a machine with more")
+        if config.batch > 1:
+            fix = f"use --batch 1 (each batched layer adds its matrices), or {fix}"
+        raise FlowgeomError(f"role {worst} ({'x'.join(map(str, roles[worst][0].shape))}, {len(roles[worst])} layers) "
+                            f"needs about {need[worst] / 2**30:.2f} GiB at its peak, more than the {limit / 2**30:.2f} "
+                            f"GiB the analysis may use ({USABLE_FRACTION:.0%} of the memory available on "
+                            f"{analyzer.device.type}; --max-layers does not lower it: layers are streamed, two at a "
+                            f"time); {fix}")
+    workers = min(config.workers, len(roles)) if analyzer.device.type == "cpu" else 1
     if workers < 2:
         return 1, []
-    itemsize = torch.empty((), dtype=analyzer.dtype).element_size()
-    window = 2 * (config.batch + max(config.distances)) * itemsize * max(
-        refs[0].shape[0] * refs[0].shape[1] for refs in roles.values())
-    fits = max(1, budget(analyzer.device) // max(window, 1))
+    fits = max(1, limit // need[worst])
     if fits < workers:
-        return int(fits), [f"analysed {fits} role(s) at a time instead of {workers}: each needs ~{window / 2**20:.0f} "
-                           f"MiB and {USABLE_FRACTION:.0%} of the free memory holds only that many (the report does "
-                           "not depend on it)"]
+        return int(fits), [f"analysed {fits} role(s) at a time instead of {workers}: each needs up to "
+                           f"~{need[worst] / 2**20:.0f} MiB and {USABLE_FRACTION:.0%} of the free memory holds only "
+                           "that many (the report does not depend on it)"]
     return workers, []
 
 
@@ -330,7 +393,9 @@ def analyze(source, config: AnalyzeConfig | None = None, *, custom_roles: Mappin
     """Analyse ``source`` (module, mapping, path, ``builtin:…``); returns the JSON-ready report.
 
     ``progress(role, done, total)`` is called after every layer (from the
-    worker threads when ``config.workers > 1``: it must be thread-safe). The report
+    worker threads when ``config.workers > 1``: it must be thread-safe); a
+    ``progress.start`` method, when there is one, is called first with
+    ``{role: (layers, relative work)}`` (for an ETA). The report
     holds ``{"source", "scheme", "layers", "config", "roles": {ROLE: {"v1", "u1",
     "v1_baseline", "u1_baseline", "verdict", "metrics", "pairs", …}}, "unmatched":
     [{"tensor", "shape", "reason"}], "lora": [{"module", "adapter", "A", "B", "rank",
@@ -360,7 +425,10 @@ def analyze(source, config: AnalyzeConfig | None = None, *, custom_roles: Mappin
         return analyzer.summarise(role, analyzer.run_role(role, tick))
 
     order = list(analyzer.layout.roles)
-    workers, warnings = _workers(analyzer, config) if analyzer.device.type == "cpu" else (1, [])
+    start = getattr(progress, "start", None)  # a reporter that wants the plan: {role: (layers, relative work)}
+    if callable(start):
+        start({role: (len(refs), _role_cost(refs)) for role, refs in analyzer.layout.roles.items()})
+    workers, warnings = _memory_plan(analyzer, config)
     # CPU: torch glue single-threaded; BLAS threads as the caller set them, or one per worker thread
     with _blas.cpu_threads(1 if workers > 1 else None) if analyzer.device.type == "cpu" else nullcontext():
         if workers == 1:

@@ -127,6 +127,43 @@ def qkv_rows(layout: str, part: str, out_rows: int, hints: NamingHints) -> Rows:
     raise LayoutError(f"unknown fused layout {layout!r}")  # pragma: no cover - patterns name known layouts
 
 
+CONFIG_CHECKED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "olmo", "olmo2", "granite")
+
+
+def config_shapes(hints: NamingHints) -> dict[str, tuple[int, int]]:
+    """``{role: (out, in)}`` that the model config implies for q k v o gate up down (empty when it implies none).
+
+    Only for the dense Llama-layout families of ``CONFIG_CHECKED``, whose config fully fixes these shapes:
+    ``q (H hd, d)``, ``k, v (KV hd, d)``, ``o (d, H hd)``, ``gate, up (I, d)``, ``down (d, I)`` with ``d =
+    hidden_size``, ``I = intermediate_size``, ``hd = head_dim`` (default ``d / H``).
+    """
+    cfg = hints.config or {}
+    if cfg.get("model_type") not in CONFIG_CHECKED:
+        return {}
+    heads, kv, _ = head_counts(hints)
+    d, mlp = cfg.get("hidden_size"), cfg.get("intermediate_size")
+    hd = cfg.get("head_dim") or (d // heads if isinstance(d, int) and isinstance(heads, int) and heads else None)
+    if not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in (d, mlp, heads, kv, hd)):
+        return {}
+    return {"q": (heads * hd, d), "k": (kv * hd, d), "v": (kv * hd, d), "o": (d, heads * hd), "gate": (mlp, d),
+            "up": (mlp, d), "down": (d, mlp)}
+
+
+def check_config_shapes(roles: Mapping[str, list], hints: NamingHints) -> None:
+    """Refuse a matrix whose shape disagrees with the model config (:func:`config_shapes`), naming both."""
+    want = config_shapes(hints)
+    for role, refs in roles.items():
+        for ref in refs if role in want else ():
+            if tuple(ref.shape) != want[role]:
+                cfg = hints.config
+                raise FlowgeomError(
+                    f"{ref.tensor} (role {role}, layer {ref.layer}) has shape {list(ref.shape)} but {hints.config_source} "
+                    f"implies {list(want[role])} (hidden_size {cfg.get('hidden_size')}, intermediate_size "
+                    f"{cfg.get('intermediate_size')}, heads {head_counts(hints)[0]}/{head_counts(hints)[1]}, head_dim "
+                    f"{cfg.get('head_dim')}); the weights and their config disagree: use the config.json saved with "
+                    "these weights, or re-export the checkpoint")
+
+
 def half_rows(part: int, out_rows: int) -> Rows:
     """Rows of half ``part`` (0 = gate, 1 = up) of a fused gate|up tensor."""
     if out_rows % 2:

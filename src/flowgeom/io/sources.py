@@ -35,7 +35,7 @@ from torch import nn
 from flowgeom.errors import FlowgeomError, choice_error, shown
 from flowgeom.files import one_line, open_regular, regular_file
 from flowgeom.io.builtin import builtin_path
-from flowgeom.io.checkpoints import confined_shard, read_index, read_safetensors_header
+from flowgeom.io.checkpoints import ITEMSIZE, confined_shard, read_index, read_safetensors_header
 from flowgeom.io.gguf import GGUFFile
 
 _FILE_SUFFIXES = (".safetensors", ".gguf", ".index.json")
@@ -128,9 +128,11 @@ class SafetensorsSource(TensorSource):
         from safetensors import safe_open
 
         self.label, self._handles, shapes, self._file = label, {}, {}, {}
+        self.itemsizes: dict[str, int] = {}  # bytes per element as stored, for memory estimates
         for path in files:
             entries = read_safetensors_header(path)
             for key, entry in entries.items():
+                self.itemsizes[key] = ITEMSIZE[entry.dtype]
                 if key in self._file:
                     raise FlowgeomError(f"tensor {shown(key)} is stored twice, in {shown(self._file[key])} and in "
                                         f"{shown(path)}; which copy is meant is ambiguous: remove the stale file "
