@@ -102,3 +102,27 @@ def test_lightning_clips_after_its_hook_and_the_prediction_still_uses_the_clippe
     batch = TokenData()[0:4]
     lit.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss.backward()
     assert float(torch.nn.utils.get_total_norm([p.grad for p in params])) > 1.0
+
+
+def test_a_trainer_resume_continues_the_prediction(tmp_path):
+    """12 steps in one go, and 6 + a resume from checkpoint-6: the same prediction, still exact."""
+    from transformers import Trainer, TrainingArguments
+
+    from flowgeom.integrations import ConservationCallback
+
+    def run(out, **train_kw):
+        args = TrainingArguments(output_dir=str(out), max_steps=12, per_device_train_batch_size=4, optim="sgd",
+                                 learning_rate=1e-2, save_steps=6, report_to=[], use_cpu=True, disable_tqdm=True,
+                                 dataloader_num_workers=0, seed=0)
+        cb = ConservationCallback(every=6)
+        Trainer(model=_model("gpt2"), args=args, train_dataset=TokenData(n=128), callbacks=[cb]).train(**train_kw)
+        return cb
+
+    whole = run(tmp_path)
+    resumed = run(tmp_path, resume_from_checkpoint=str(tmp_path / "checkpoint-6"))
+    a, b = whole.session.monitor.last, resumed.session.monitor.last
+    assert resumed.session.monitor.prediction.steps == 12
+    _check_exact(b, ["attn.vo"])  # (the Q/K law barely moves in 12 steps: its drift is near float64 round-off)
+    assert all(b[f"pred_excess/{f}"] < 1 for f in _quadratic(resumed.session.monitor))
+    assert b["pred/attn.vo"] == pytest.approx(a["pred/attn.vo"], rel=1e-9)
+    assert b["eps/attn.vo"] == pytest.approx(a["eps/attn.vo"], rel=1e-9)
