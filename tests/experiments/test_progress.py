@@ -100,13 +100,25 @@ def test_a_claim_is_corrected_by_its_own_finished_runs():
     assert t.eta() == pytest.approx(0.2 * 300 * 1.5 + 0.2 * 100 * 0.5)
 
 
-def test_before_any_run_finishes_a_running_run_bounds_the_eta_from_below():
+def test_before_any_run_finishes_a_running_run_bounds_its_own_claim_from_below():
     clock, lines = Clock(), []
-    t = Ticker(3, lines.append, every=10, groups={"a": "x", "b": "y", "c": "y"},
-               sizes={"a": 100.0, "b": 100.0, "c": 300.0}, clock=clock)
+    t = Ticker(3, lines.append, every=10, groups={"a": "x", "b": "x", "c": "y"},
+               sizes={"a": 100.0, "b": 300.0, "c": 300.0}, clock=clock)
     t.start("a", "run a")
-    clock.t += 10  # 10 s into a run of size 100: the rate is at least 0.1 s per unit
-    assert t.heartbeat() == "...  [0/3] running run a for 10s · elapsed 10s · ETA >40s"
+    clock.t += 10  # 10 s into a run of size 100: its claim costs at least 0.1 s per unit; claim y is not bounded
+    assert t.heartbeat() == "...  [0/3] running run a for 10s · elapsed 10s · ETA >30s"
+    t.done("a", "run a", "finished", 10.0)
+    t.start("b", "run b")
+    t.start("c", "run c")
+    assert t.estimate() == (pytest.approx(60.0), False)  # rate 0.1: b and c expected 30 s each, one worker
+
+
+def test_a_lone_first_run_gives_no_bound_for_other_claims():
+    clock = Clock()
+    t = Ticker(2, lambda line: None, groups={"a": "x", "b": "y"}, sizes={"a": 1.0, "b": 1e6}, clock=clock)
+    t.start("a", "run a")
+    clock.t += 10
+    assert t.eta() is None
 
 
 def test_eta_over_a_tour_never_unknown_after_the_first_heartbeat_and_within_30_percent_at_halfway():

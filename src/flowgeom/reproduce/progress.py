@@ -30,12 +30,14 @@ parallel workers (and never less than the longest of those runs alone). Runs kep
 counted; a run without a size is expected to take the mean of its claim's
 finished runs, else of all finished runs.
 
-It is never "?" once a sized run has been running for a heartbeat. Before
-any run has finished, the running runs bound the rate from below (a run of
-size S that has run t seconds has rate ≥ t / S), and a run already past its
-expected time has an unknown remainder (≥ 0); in both cases the ETA is a
-lower bound, shown as "ETA >3m10s" instead of "ETA ~3m10s". "ETA ?" remains
-only when no run has a size and none has finished.
+"ETA ?" is shown only until the first run ends (in the tour, seconds: the
+law checks come first), and even then not while a sized run of a claim with
+more runs to come is running: a run of size S that has run t seconds costs
+at least t / S per unit, which bounds what its claim's other runs will take.
+A run already past its expected time has an unknown remainder (≥ 0). In
+both cases the ETA is a lower bound, shown as "ETA >3m10s" instead of
+"ETA ~3m10s"; a bound is never carried across claims (a slow first law
+check says nothing about the LM run).
 """
 
 from __future__ import annotations
@@ -132,9 +134,8 @@ class Ticker:
         """``(seconds left, is a lower bound)``, or None before any basis for a number (module docstring)."""
         now = self.clock()
         rate, bounded = self._rate(), False
-        if rate is None:  # nothing sized has finished: a running sized run's cost so far bounds the rate from below
-            seen = [(now - since) / self.sizes[k] for k, (_, since) in self.running.items() if k in self.sizes]
-            rate, bounded = (max(seen), True) if seen and max(seen) > 0 else (None, False)
+        if rate is None and not self.durations:
+            return self._early_bound(now)
         left, longest = 0.0, 0.0
         keys = self.pending | set(self.running)
         unnamed = max(0, self.total - self.finished - len(keys))  # runs the ticker knows only by their count
@@ -158,6 +159,19 @@ class Ticker:
             left += expected
             longest = max(longest, expected)
         return max(left / self.jobs, longest), bounded  # parallel workers cannot split one run
+
+    def _early_bound(self, now: float) -> tuple[float, bool] | None:
+        """Before any run has finished: a sized run that has run ``t`` s costs at least ``t / size`` per unit of
+        size, a bound for the runs of its own claim only (claims differ too much to bound each other; theirs
+        count 0). ``(seconds, True)``, or None when that bounds nothing."""
+        lower: dict[str, float] = {}
+        for key, (_, since) in self.running.items():
+            if key in self.sizes:
+                group = self.groups.get(key, key)
+                lower[group] = max(lower.get(group, 0.0), (now - since) / self.sizes[key])
+        left = sum(lower[self.groups[k]] * self.sizes[k] for k in self.pending - set(self.running)
+                   if k in self.sizes and self.groups.get(k) in lower)
+        return (left / self.jobs, True) if left > 0 else None
 
     def _rate(self) -> float | None:
         """Seconds per unit of size from the sized runs that finished (Σ seconds / Σ size), or None."""
