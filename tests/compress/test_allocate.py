@@ -256,7 +256,7 @@ def test_allocate_loss_without_calibration_is_one_line_exit_2(tiny, tmp_path, ca
 def test_mixed_writes_a_folder_evaluate_reads_and_keeps_the_best_measured_split(tiny, tmp_path, capsys):
     out = tmp_path / "mixed"
     code, stdout, err = _share(capsys, tiny, out, "--method", "mixed", "--budget", "0.3", "--calib-tokens", "1024",
-                               "--json")
+                               "--allocate", "loss", "--json")
     assert code == 0, err
     report = json.loads(stdout)
     tried = report["mixed_tried"]

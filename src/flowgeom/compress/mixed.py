@@ -84,7 +84,7 @@ def even_ranks(units: Sequence[C.Unit], target: int) -> list[int | None]:
 
 def mixed_plans(cfg, state: Mapping[str, torch.Tensor], calib, *, budget: float, roles: Sequence[str],
                 allocation: str, model=None, grad_ids: torch.Tensor | None = None, eval_ids: torch.Tensor,
-                progress=None) -> tuple[Any, dict[str, torch.Tensor], C.Compressed, dict[str, Any]]:
+                sens: Mapping | None = None, progress=None) -> tuple[Any, dict[str, torch.Tensor], C.Compressed, dict[str, Any]]:
     """``(config, state, compressed, facts)`` of the best split (module docstring): the shortened model's
     config and state (kept blocks renumbered, projections dense) and its factors."""
     from flowgeom.nn.llama import llama_from_state
@@ -98,11 +98,12 @@ def mixed_plans(cfg, state: Mapping[str, torch.Tensor], calib, *, budget: float,
     factors = C.full_factors(base, state, calib)
     units = base.units
     cands = None
-    if allocation == "loss":
+    if allocation == "loss" and sens is None:
         from flowgeom.compress.calibrate import sensitivity
 
         sens, _ = sensitivity(model, grad_ids, C.probes(units, factors),
                               progress=(lambda d, t: progress("gradients", d, t)) if progress else None)
+    if allocation == "loss":
         cands = C.candidates(units, sens)
     tried, best = [], None
     for n in range(0, top + 1):

@@ -295,12 +295,16 @@ def _shift_note(unit: Unit, f: fz.Factors) -> str | None:
 
 
 def compress(plan_: Plan, state: Mapping[str, torch.Tensor], calib: Calibration | None, *, refit: bool = False,
-             progress: Callable[[int, int], None] | None = None) -> Compressed:
-    """Factorise every unit of ``plan_`` with the Grams of ``calib`` (None: data-free, method ``svd``)."""
+             progress: Callable[[int, int], None] | None = None,
+             full: Mapping[tuple, fz.Factors] | None = None) -> Compressed:
+    """Factorise every unit of ``plan_`` with the Grams of ``calib`` (None: data-free, method ``svd``).
+    ``full`` (:func:`allocate_by_loss`'s full-rank factors by unit key): truncated instead of factorised again."""
     factors, notes = [], []
+    full = {} if full is None or refit else full
     for i, unit in enumerate(plan_.units):
         grams = None if calib is None else calib.role_grams(unit.role, unit.layers)
-        f = _unit_factors(unit, state, grams, refit)
+        key = (unit.role, unit.space, unit.layers)
+        f = truncate(full[key], unit.rank) if key in full else _unit_factors(unit, state, grams, refit)
         if (note := _shift_note(unit, f)) is not None:
             notes.append(note)
         factors.append(_as_float(f))
@@ -422,9 +426,11 @@ def allocate_by_loss(plan_: Plan, state: Mapping[str, torch.Tensor], calib: Cali
     if cache is not None and key in cache:
         sens, loss = cache[key]
     else:
-        sens, loss = sensitivity(model(), ids, probes(units, full_factors(plan_, state, calib)), progress=progress)
+        factors = full_factors(plan_, state, calib)
+        sens, loss = sensitivity(model(), ids, probes(units, factors), progress=progress)
         if cache is not None:
             cache[key] = (sens, loss)
+            cache["full"] = {k: f for k, f in zip(key, factors)}  # the latest layout's, for compress(full=...)
     cands = candidates(units, sens, "first" if rule == "zero-sum" else score)
     scope = sum(u.dense_params for u in units)
     target = math.ceil(plan_.ratio * scope)

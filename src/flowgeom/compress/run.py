@@ -230,7 +230,8 @@ def compress_model(config: ShareConfig, cfg, state, source: Path, tokenizer, *, 
         compressed, _ = C.compress_sequential(p, model, cache["ids"], refit=config.refit, progress=step)
         del model
     else:
-        compressed = C.compress(p, state, calib, refit=config.refit, progress=step)
+        compressed = C.compress(p, state, calib, refit=config.refit, progress=step,
+                                full=cache.get("sensitivity", {}).get("full"))
     facts["notes"] += compressed.notes
     return compressed, facts
 
