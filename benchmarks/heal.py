@@ -58,7 +58,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from flowgeom.compress.folder import load_model
-    from flowgeom.compress.heal import HealConfig, batch_starts, distillation_loss, load_student, student_logits
+    from flowgeom.compress.heal import HealConfig, batch_starts, distillation_step_loss, load_student
     from flowgeom.compress.run import source_path
     from flowgeom.data.text import load_text
     from flowgeom.data.tokens import load_tokenizer, token_ids
@@ -79,9 +79,7 @@ def main() -> None:
     dense_opt = torch.optim.AdamW(list(dense.parameters()), lr=1e-6)
 
     def heal_step() -> None:
-        with torch.no_grad():
-            target = teacher(batch)
-        loss = distillation_loss(student_logits(student.model, batch, checkpointing=True), target)
+        loss = distillation_step_loss(student.model, teacher, batch, checkpointing=True)
         heal_opt.zero_grad(set_to_none=True)
         loss.backward()
         heal_opt.step()

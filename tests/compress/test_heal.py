@@ -178,3 +178,20 @@ def test_a_finished_heal_removes_its_work_folder_and_keeps_its_log(capsys, tiny,
     heal_folder(folder, tmp_path / "done", _cfg(tiny))
     assert not (tmp_path / "done.heal").exists()
     assert {"heal.jsonl", "heal.json", "heal.png"} <= {p.name for p in (tmp_path / "done").iterdir()}
+
+
+def test_chunked_step_loss_equals_the_whole_logits_kl_in_value_and_gradient(tiny):  # noqa: F811
+    from flowgeom.compress.heal import distillation_step_loss
+    from flowgeom.nn.llama import llama_state_dict
+
+    cfg, state = llama_state_dict(tiny)
+    teacher = llama_from_state(cfg, state, dtype=torch.float64)
+    noisy = {k: v + 0.05 * torch.randn(v.shape, generator=torch.Generator().manual_seed(1)) for k, v in state.items()}
+    student = llama_from_state(cfg, noisy, dtype=torch.float64)
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(2))
+    whole = distillation_loss(student(ids), teacher(ids).detach())
+    (g_whole,) = torch.autograd.grad(whole, student.model.layers[0].mlp.up_proj.weight)
+    chunked = distillation_step_loss(student, teacher, ids, checkpointing=True, chunk=7)  # 80 rows: 11 uneven chunks
+    (g_chunked,) = torch.autograd.grad(chunked, student.model.layers[0].mlp.up_proj.weight)
+    assert float(chunked) == pytest.approx(float(whole), rel=1e-10)
+    assert torch.allclose(g_chunked, g_whole, rtol=1e-8, atol=1e-12)

@@ -69,9 +69,9 @@ def add_heal_flags(p: argparse.ArgumentParser, *, tokens_flag: str | None) -> No
     if tokens_flag:
         p.add_argument(tokens_flag, type=positive_int, default=DEFAULT_TOKENS,
                        help=f"healing tokens in all (default {DEFAULT_TOKENS:,}); at least one sequence")
-    p.add_argument("--lr", type=finite_float(0.0, 1.0, lo_open=True), default=1e-4,
+    p.add_argument("--lr", type=finite_float(0.0, 1.0, lo_open=True), default=2e-4,
                    help="peak learning rate, after a linear warm-up over 5%% of the steps, then cosine to 10%% "
-                        "(default 1e-4)")
+                        "(default 2e-4)")
     p.add_argument("--optimizer", choices=("adamw", "langevin"), default="adamw",
                    help="adamw (default, betas 0.9/0.95) or langevin (flowgeom's SDE with the seed-004 log "
                         "regulariser on every factor)")

@@ -25,9 +25,10 @@ which the regulariser is what makes the loss confining), with the same schedule.
 Cost and safety:
 
 * memory: the student's blocks are recomputed in the backward pass
-  (``torch.utils.checkpoint`` per block), and the teacher's logits are computed
-  batch by batch without autograd and dropped after the step: nothing is
-  stored for the corpus;
+  (``torch.utils.checkpoint`` per block); the teacher runs without autograd; both
+  heads and the KL run 256 token rows at a time, recomputed in the backward pass
+  (:func:`distillation_step_loss`), so no (tokens, vocab) tensor is ever whole;
+  nothing is stored for the corpus;
 * every ``checkpoint_every`` steps the trainable tensors, the optimiser state and
   the history go to ``<work>/checkpoint.safetensors`` (flowgeom's pickle-free
   checkpoint format, atomic); the batch of step k is drawn from a generator
@@ -70,7 +71,7 @@ class HealConfig:
     tokens: int = 204_800  # healing tokens in all (steps = tokens // (seq_len * batch))
     seq_len: int = 256  # tokens per sequence
     batch: int = 4  # sequences per step
-    lr: float = 1e-4  # peak learning rate
+    lr: float = 2e-4  # peak learning rate
     warmup: float = 0.05  # fraction of the steps with a linear warm-up
     min_lr: float = 0.1  # the cosine decay ends at min_lr x lr
     optimizer: str = "adamw"  # adamw | langevin
@@ -145,8 +146,9 @@ def batch_starts(step: int, n_tokens: int, config: HealConfig) -> torch.Tensor:
     return torch.randint(0, n_tokens - config.seq_len - 1, (config.batch_size,), generator=gen)
 
 
-def student_logits(model, ids: torch.Tensor, *, checkpointing: bool) -> torch.Tensor:
-    """flowgeom Llama logits (B, T, vocab), each block recomputed in the backward pass when ``checkpointing``."""
+def hidden_states(model, ids: torch.Tensor, *, checkpointing: bool) -> torch.Tensor:
+    """flowgeom Llama's last hidden states (B, T, d), before the final norm; each block recomputed in the backward
+    pass when ``checkpointing``."""
     from torch.utils.checkpoint import checkpoint
 
     from flowgeom.nn.llama import rope_tables
@@ -155,7 +157,35 @@ def student_logits(model, ids: torch.Tensor, *, checkpointing: bool) -> torch.Te
     cos, sin = rope_tables(model.config, ids.shape[1], dtype=h.dtype, device=h.device)  # (T, hd)
     for layer in model.model.layers:
         h = checkpoint(layer, h, cos, sin, use_reentrant=False) if checkpointing else layer(h, cos, sin)
-    return model.lm_head(model.model.norm(h))  # (B, T, vocab)
+    return h
+
+
+def _chunk_kl(h_student: torch.Tensor, h_teacher: torch.Tensor, student, teacher) -> torch.Tensor:
+    """The distillation loss of a chunk of token rows (rows, d) of hidden states: both heads applied here."""
+    logits = student.lm_head(student.model.norm(h_student))  # (rows, vocab)
+    with torch.no_grad():
+        target = teacher.lm_head(teacher.model.norm(h_teacher))  # (rows, vocab)
+    return distillation_loss(logits, target)
+
+
+def distillation_step_loss(student, teacher, ids: torch.Tensor, *, checkpointing: bool,
+                           chunk: int = 256) -> torch.Tensor:
+    """``KL(p_T || p_S)`` averaged over the tokens of ``ids`` (B, T), with the vocabulary-sized logits made
+    ``chunk`` token rows at a time and recomputed in the backward pass: a (B T, vocab) tensor never exists
+    (at 4 x 256 tokens and SmolLM2's 49,152 tokens one is 200 MB, and a KL's forward and backward hold
+    several)."""
+    from torch.utils.checkpoint import checkpoint
+
+    h_s = hidden_states(student, ids, checkpointing=checkpointing)
+    with torch.no_grad():
+        h_t = hidden_states(teacher, ids, checkpointing=False)
+    rows = h_s.shape[0] * h_s.shape[1]
+    h_s, h_t = h_s.reshape(rows, -1), h_t.reshape(rows, -1)  # (B T, d)
+    total = h_s.new_zeros(())
+    for a in range(0, rows, chunk):
+        part = checkpoint(_chunk_kl, h_s[a: a + chunk], h_t[a: a + chunk], student, teacher, use_reentrant=False)
+        total = total + part * (min(chunk, rows - a) / rows)
+    return total
 
 
 # ---------------------------------------------------------------- the student on disk
@@ -433,9 +463,7 @@ def heal_folder(folder: str | Path, out: str | Path, config: HealConfig, *, forc
             group["lr"] = lr
         starts = batch_starts(k, len(ids), config)
         batch = torch.stack([ids[s: s + config.seq_len] for s in starts.tolist()]).long()  # (B, T)
-        with torch.no_grad():  # not inference_mode: the KL's backward keeps p_T, which an inference tensor refuses
-            target = teacher(batch)  # (B, T, vocab), dropped after the step
-        loss = distillation_loss(student_logits(student.model, batch, checkpointing=config.checkpointing), target)
+        loss = distillation_step_loss(student.model, teacher, batch, checkpointing=config.checkpointing)
         value = float(loss.detach())
         if run.first_loss is None:
             run.first_loss = value
@@ -446,7 +474,7 @@ def heal_folder(folder: str | Path, out: str | Path, config: HealConfig, *, forc
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        del loss, target
+        del loss
         run.step += 1
         steps_timed += 1
         losses.append(value)
