@@ -48,20 +48,20 @@ def run_mlp(config: Mapping[str, Any], folder: RunFolder, resume: bool) -> dict[
 
 
 def mlp_size(config: Mapping[str, Any]) -> float:
-    """The run's cost for the progress ETA (:mod:`flowgeom.reproduce.cost`): steps × the MLP's weights."""
+    """The run's cost for the progress ETA (:mod:`flowgeom.reproduce.cost`): steps × the MLP's weights × batch."""
     from flowgeom.reproduce.cost import mlp_parameters, work
 
     cfg = mlp_config(config)
-    return work(cfg.steps, mlp_parameters(width=cfg.width, depth=cfg.depth))
+    return work(cfg.steps, mlp_parameters(width=cfg.width, depth=cfg.depth), examples=cfg.batch)
 
 
 def lm_size(config: Mapping[str, Any]) -> float:
-    """The run's cost for the progress ETA: steps × the LM's weights."""
+    """The run's cost for the progress ETA: steps × the LM's weights × the tokens of a batch."""
     from flowgeom.reproduce.cost import lm_parameters, work
 
     cfg = lm_run_config(config)
     return work(cfg.steps, lm_parameters(d_model=cfg.d_model, n_layers=cfg.n_layers, heads=cfg.heads, d_k=cfg.d_k,
-                                         d_hidden=cfg.d_hidden, mlp=cfg.mlp))
+                                         d_hidden=cfg.d_hidden, mlp=cfg.mlp), examples=cfg.batch * cfg.seq_len)
 
 
 def _mean(rows: list[dict[str, Any]], variant: str, key: str) -> float:

@@ -47,22 +47,24 @@ def villani_size(config: Mapping[str, Any]) -> float:
     import inspect
 
     from flowgeom.langevin import objective, probe
-    from flowgeom.reproduce.cost import work
+    from flowgeom.reproduce.cost import PROBE_POINT, work
 
     defaults = {k: v.default for k, v in inspect.signature(probe).parameters.items()}
     dim = objective(config["loss"], seed=config["seed"]).dim
-    return work((defaults["rays"] + 1) * 2 * defaults["points"], dim * dim)
+    return work((defaults["rays"] + 1) * 2 * defaults["points"], dim * dim, overhead=PROBE_POINT)
 
 
 def darcy_size(config: Mapping[str, Any]) -> float:
-    """The run's cost for the progress ETA: the Adam steps and every Langevin arm's steps × the model's weights."""
-    from flowgeom.reproduce.cost import work
+    """The run's cost for the progress ETA: the Adam steps and every Langevin arm's steps × the model's weights ×
+    the tokens of a batch."""
+    from flowgeom.reproduce.cost import PLAIN_STEP, work
 
     cfg = darcy_config(config)
     tokens = (cfg.resolution // cfg.patch) ** 2
     d, p2 = cfg.d_model, cfg.patch * cfg.patch
     weights = 2 * p2 * d + tokens * d + 2 * d * cfg.d_k + 2 * d * d + 2 * d * cfg.d_mlp  # embed/head, pos, QK, VO, MLP
-    return work(cfg.pretrain_steps + cfg.steps * len(cfg.regs), weights)
+    return work(cfg.pretrain_steps + cfg.steps * len(cfg.regs), weights, examples=cfg.batch_size * tokens,
+                overhead=PLAIN_STEP)
 
 
 def villani_verdict(runs: Sequence[RunRecord], figures_dir: Path) -> Verdict:

@@ -44,11 +44,11 @@ def laws_size(config: Mapping[str, Any]) -> float:
     """The run's cost for the progress ETA (:mod:`flowgeom.reproduce.cost`): the check's fields × D² for the
     model's D parameters (the numeric count's Jacobians are D × D)."""
     from flowgeom.nn import build
-    from flowgeom.reproduce.cost import work
+    from flowgeom.reproduce.cost import LAW_FIELD, work
 
     options = {k: v for k, v in config.items() if k not in ("arch", "seed")}
     dim = sum(p.numel() for p in build(config["arch"], seed=config["seed"], **options).parameters())
-    return work(CHECK_FIELDS, dim * dim)
+    return work(CHECK_FIELDS, dim * dim, overhead=LAW_FIELD)
 
 
 def run_laws(config: Mapping[str, Any], folder: RunFolder, resume: bool) -> dict[str, Any]:

@@ -1,35 +1,41 @@
 """What one run of a claim costs, in the unit of the progress line's ETA (:mod:`flowgeom.reproduce.progress`).
 
-A run's size is
+A run's size is its steps times what one step costs:
 
-    size = steps × (parameters + STEP_OVERHEAD)
+    size = steps × (parameters × examples + overhead)
 
-``steps`` the optimiser steps (or, for runs that do not train, the
-gradient-like evaluations: a law check's fields, a Villani probe's points),
-``parameters`` what one step touches (the trained parameters; a probe's
-D² Hessian entries), and :data:`STEP_OVERHEAD` the fixed cost of a step
-(Python, the optimiser's loop, logging), in parameter-equivalents. The ETA
-turns sizes into seconds with a rate measured on this machine by the runs
-that have finished, and corrects each claim by its own finished runs, so a
-size needs to be right in proportion within a claim and within a small
-factor across claims; it is an estimate of the work, read from the
-experiments' presets, not an exact count of their parameters
-(embeddings use :data:`VOCAB` characters).
+``steps`` the optimiser steps (for runs that do not train: a law check's
+gradient fields, a Villani probe's points), ``parameters × examples`` the
+multiply-adds of one step up to a constant (trained parameters × the
+examples or tokens of its batch; a probe's D² Hessian entries), and
+``overhead`` the fixed cost of a step of that kind, in the same unit. The
+quick tour's models are so small that the overhead dominates most of its
+runs: an instrumented training step (the conservation monitor, the
+continuity metrics) costs about 35 ms on one core whether the model has 25
+thousand or 1.3 million parameters. The overheads below were fitted to the
+CPU seconds of one quick tour on the development VM (one thread per run;
+docs/benchmarks.md); the ETA turns sizes into seconds with a rate measured
+by the runs that have finished on the machine at hand, and corrects each
+claim by its own finished runs, so sizes need to be right in proportion
+within a claim and within a small factor across claims. They are estimates
+read from the experiments' presets, not exact counts (embeddings use
+:data:`VOCAB` characters).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-# The per-step cost of the tiny models of the quick tour (a 16-32-wide LM step is mostly Python and the monitor),
-# in parameter-equivalents: fitted to the idle tour's run times on the development VM (docs/benchmarks.md).
-STEP_OVERHEAD = 200_000
+TRAIN_STEP = 2e8   # an instrumented training step: Python, the optimiser, the monitor or continuity metrics
+PLAIN_STEP = 1e7   # a step of a tiny model with a metric line every hundred steps (the Darcy protocol)
+PROBE_POINT = 7e7  # one point of a Villani probe: the Hessian (or Hutchinson probes) of a small objective
+LAW_FIELD = 1e8    # one gradient field of a law check and count
 VOCAB = 96  # the character vocabularies of the shipped texts (KJV: 75 distinct characters)
 
 
-def work(steps: float, parameters: float) -> float:
-    """``steps × (parameters + STEP_OVERHEAD)``."""
-    return float(steps) * (float(parameters) + STEP_OVERHEAD)
+def work(steps: float, parameters: float, *, examples: float = 1, overhead: float = TRAIN_STEP) -> float:
+    """``steps × (parameters × examples + overhead)``."""
+    return float(steps) * (float(parameters) * float(examples) + float(overhead))
 
 
 def lm_parameters(*, d_model: int, n_layers: int, heads: int, d_k: int, d_hidden: int, mlp: str = "swiglu",
@@ -59,7 +65,8 @@ def conservation_parameters(cfg) -> int:
 
 def conservation_work(cfgs: Iterable) -> float:
     """The size of a sequence of conservation training runs (ConservationConfig each)."""
-    return sum(work(cfg.steps, conservation_parameters(cfg)) for cfg in cfgs)
+    return sum(work(cfg.steps, conservation_parameters(cfg), examples=cfg.batch * (cfg.seq_len if cfg.task == "lm" else 1))
+               for cfg in cfgs)
 
 
 def mlp_parameters(*, width: int, depth: int, inputs: int = 28 * 28, classes: int = 10) -> int:
