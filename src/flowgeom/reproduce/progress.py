@@ -21,7 +21,8 @@ the first run of a claim is predicted before any run of it has finished:
     expected(run) = rate × size(run) × factor(claim of the run)
 
 ``rate`` (seconds per unit of size, this machine at its present load) is
-calibrated by the runs finished so far, Σ seconds / Σ size; ``factor`` is
+calibrated by the runs finished so far: the median over claims of each
+claim's Σ seconds / Σ size; ``factor`` is
 how far the finished runs of the run's own claim were from that prediction
 (Σ seconds / Σ rate × size; 1 before one has finished), since a claim's runs
 are alike and claims are not. The ETA is the expected seconds of the runs
@@ -174,10 +175,21 @@ class Ticker:
         return (left / self.jobs, True) if left > 0 else None
 
     def _rate(self) -> float | None:
-        """Seconds per unit of size from the sized runs that finished (Σ seconds / Σ size), or None."""
-        sized = [k for k in self.ran if k in self.sizes]
-        total = sum(self.sizes[k] for k in sized)
-        return sum(self.ran[k] for k in sized) / total if total > 0 else None
+        """Seconds per unit of size on this machine now: the median over claims of each claim's Σ seconds / Σ size
+        (its sized runs that finished), or None. A median, because a claim's first run may carry one-off costs
+        (the first law check of a worker imports ``torch._dynamo``: 11 s where its mates take 2 s)."""
+        seconds: dict[str, float] = {}
+        size: dict[str, float] = {}
+        for key, took in self.ran.items():
+            if key in self.sizes:
+                group = self.groups.get(key, key)
+                seconds[group] = seconds.get(group, 0.0) + took
+                size[group] = size.get(group, 0.0) + self.sizes[key]
+        rates = sorted(seconds[g] / size[g] for g in size if size[g] > 0)
+        if not rates:
+            return None
+        middle = len(rates) // 2
+        return rates[middle] if len(rates) % 2 else (rates[middle - 1] + rates[middle]) / 2
 
     def _expected(self, key: str, rate: float | None) -> float | None:
         """Seconds the run ``key`` is expected to take (module docstring), or None when nothing predicts it."""
