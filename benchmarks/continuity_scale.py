@@ -31,8 +31,10 @@ stream they write), v shares nothing: the verdicts the analyzer must
 recover are ``PLANTED``.
 
 ``run`` calls ``flowgeom continuity analyze DIR --json --out ... --figure
-...`` in a child process (both threads unless ``--threads``), samples its
-RSS every 50 ms from /proc, and writes into ``--results``: ``report.json``
+...`` in a child process (both threads unless ``--threads``), takes its
+peak RSS (``ru_maxrss``, and /proc sampled every 50 ms) and CPU time (on a
+shared machine, CPU / cores bounds what idle cores would take), and writes
+into ``--results``: ``report.json``
 (the analyzer's report without the per-pair lists, which stay in
 ``pairs.json``), ``table.md`` (roles x v1/u1/verdict and seconds per
 layer by role), ``heatmap.png`` (the analyzer's figure) and ``run.json``
@@ -165,16 +167,19 @@ def run(folder: Path, results: Path | None, device: str, threads: int, extra: li
     tmp.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "flowgeom", "continuity", "analyze", str(folder), "--json",
            "--out", str(tmp / "full-report.json"), "--figure", str(tmp / "heatmap.png"), "--device", device,
-           "--threads", str(threads), *extra]
+           "--threads", str(threads), "--progress", "lines", *extra]
     machine = _machine()
     t0 = time.perf_counter()
     child = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=None)  # progress line goes to our stderr
     peak, stop = [0], threading.Event()
     sampler = threading.Thread(target=_rss_sampler, args=(child.pid, peak, stop), daemon=True)
     sampler.start()
-    rc = child.wait()
+    _, status, usage = os.wait4(child.pid, 0)  # the child's own CPU time and peak RSS (ru_maxrss, KiB)
+    child.returncode = rc = os.waitstatus_to_exitcode(status)
     wall = time.perf_counter() - t0
     stop.set()
+    peak[0] = max(peak[0], usage.ru_maxrss * 1024)
+    cpu = usage.ru_utime + usage.ru_stime
     if rc:
         raise SystemExit(f"analyze failed (exit {rc}): {' '.join(cmd)}")
     machine["load_after"] = os.getloadavg()
@@ -189,7 +194,8 @@ def run(folder: Path, results: Path | None, device: str, threads: int, extra: li
     total = SHAPES[shape][0]
     summary = {
         "command": " ".join(["flowgeom", *cmd[3:]]), "shape": shape, "layers_analysed": layers,
-        "layers_model": total, "wall_s": wall, "analysis_s": report["seconds"], "peak_rss_bytes": peak[0],
+        "layers_model": total, "wall_s": wall, "analysis_s": report["seconds"], "cpu_s": cpu, "peak_rss_bytes": peak[0],
+        "cpu_bound_2_idle_cores_s": cpu / 2,
         "extrapolated_model_s": wall / layers * total if layers < total else None,
         "planted_recovered": f"{ok}/{len(rows)}", "device": device, "threads": threads, "machine": machine,
         "roles": rows,
@@ -210,7 +216,8 @@ def _table(summary: dict) -> list[str]:
     s = summary
     head = [f"# synthetic Llama-{s['shape']} ({s['layers_analysed']} of {s['layers_model']} layers, bf16, planted)",
             "", f"command: `{s['command']}`", "",
-            f"wall {s['wall_s']:.1f} s (analysis {s['analysis_s']:.1f} s), peak RSS {s['peak_rss_bytes'] / 1e9:.2f} GB, "
+            f"wall {s['wall_s']:.1f} s (analysis {s['analysis_s']:.1f} s; CPU {s['cpu_s']:.0f} s, i.e. >= "
+            f"{s['cpu_bound_2_idle_cores_s']:.0f} s on 2 idle cores), peak RSS {s['peak_rss_bytes'] / 1e9:.2f} GB, "
             f"{s['threads']} threads on {s['machine']['cpus']} CPUs, load average before "
             f"{s['machine']['load_before'][0]:.2f}, after {s['machine']['load_after'][0]:.2f}; planted verdicts "
             f"recovered {s['planted_recovered']}"]
