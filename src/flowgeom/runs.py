@@ -118,8 +118,9 @@ def atomic_write_json(path: str | os.PathLike, obj: Any, *, root: str | os.PathL
 _TAGS = ("__tensor__", "__tuple__", "__items__", "__float__")
 
 
-def _encode(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
-    """The JSON tree of ``obj``; tensors are moved into ``tensors`` under their dotted path."""
+def _encode(obj: Any, path: str, tensors: dict[str, torch.Tensor], copy: bool = True) -> Any:
+    """The JSON tree of ``obj``; tensors are moved into ``tensors`` under their dotted path (private copies
+    unless ``copy`` is False)."""
     def child(key: Any) -> str:
         return f"{path}.{key}" if path else str(key)
 
@@ -135,16 +136,16 @@ def _encode(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
         name, n = path or "tensor", 1
         while name in tensors:
             name, n = f"{path}#{n}", n + 1
-        tensors[name] = obj.detach().to("cpu", copy=True).contiguous()  # a private copy: no shared storage
+        tensors[name] = obj.detach().to("cpu", copy=copy).contiguous()  # a private copy unless asked otherwise
         return {"__tensor__": name}
     if isinstance(obj, list):
-        return [_encode(v, child(i), tensors) for i, v in enumerate(obj)]
+        return [_encode(v, child(i), tensors, copy) for i, v in enumerate(obj)]
     if isinstance(obj, tuple):
-        return {"__tuple__": [_encode(v, child(i), tensors) for i, v in enumerate(obj)]}
+        return {"__tuple__": [_encode(v, child(i), tensors, copy) for i, v in enumerate(obj)]}
     if isinstance(obj, Mapping):
         if all(isinstance(k, str) and not k.startswith("__") for k in obj):
-            return {str(k): _encode(v, child(k), tensors) for k, v in obj.items()}
-        return {"__items__": [[_encode(k, child(f"key{i}"), tensors), _encode(v, child(k), tensors)]
+            return {str(k): _encode(v, child(k), tensors, copy) for k, v in obj.items()}
+        return {"__items__": [[_encode(k, child(f"key{i}"), tensors, copy), _encode(v, child(k), tensors, copy)]
                               for i, (k, v) in enumerate(obj.items())]}
     raise FlowgeomError(
         f"cannot checkpoint a {type(obj).__name__} at {path or 'the top level'}: a checkpoint holds only "
@@ -183,14 +184,23 @@ def _digest(state_text: str, tensors: Mapping[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def checkpoint_parts(state: Mapping[str, Any], *, copy: bool = True) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """``(metadata, tensors)`` of a version-1 checkpoint of ``state``: what :func:`encode_checkpoint` writes.
+
+    With ``copy=False`` the tensors share storage with ``state`` (for a caller that streams them to a file at
+    once, e.g. a model's parameters and optimiser state, which a copy would double in memory)."""
+    tensors: dict[str, torch.Tensor] = {}
+    state_text = json.dumps(_encode(dict(state), "", tensors, copy), allow_nan=False, separators=(",", ":"))
+    meta = {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "state": state_text,
+            "sha256": _digest(state_text, tensors)}
+    return meta, tensors
+
+
 def encode_checkpoint(state: Mapping[str, Any]) -> bytes:
     """The bytes of a version-1 checkpoint of ``state``; see the module docstring."""
     import safetensors.torch
 
-    tensors: dict[str, torch.Tensor] = {}
-    state_text = json.dumps(_encode(dict(state), "", tensors), allow_nan=False, separators=(",", ":"))
-    meta = {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "state": state_text,
-            "sha256": _digest(state_text, tensors)}
+    meta, tensors = checkpoint_parts(state)
     try:
         return safetensors.torch.save(tensors, metadata=meta)
     except Exception as exc:  # noqa: BLE001 - e.g. a dtype safetensors cannot store

@@ -195,3 +195,29 @@ def test_chunked_step_loss_equals_the_whole_logits_kl_in_value_and_gradient(tiny
     (g_chunked,) = torch.autograd.grad(chunked, student.model.layers[0].mlp.up_proj.weight)
     assert float(chunked) == pytest.approx(float(whole), rel=1e-10)
     assert torch.allclose(g_chunked, g_whole, rtol=1e-8, atol=1e-12)
+
+
+def test_divergence_after_a_checkpoint_restores_that_checkpoint(capsys, tiny, tmp_path, monkeypatch):  # noqa: F811
+    import flowgeom.compress.heal as H
+
+    folder = _compressed(capsys, tiny, tmp_path)
+    real_loss, real_checkpoint = H.distillation_step_loss, H._checkpoint
+    calls, saved = {"n": 0}, {}
+
+    def poisoned(*args, **kwargs):
+        calls["n"] += 1
+        loss = real_loss(*args, **kwargs)
+        return loss * float("nan") if calls["n"] == 7 else loss
+
+    def spy(work, run, student, opt, identity, config):
+        saved[run.step] = {k: p.detach().clone() for k, p in student.trainable.items()}
+        real_checkpoint(work, run, student, opt, identity, config)
+
+    monkeypatch.setattr(H, "distillation_step_loss", poisoned)
+    monkeypatch.setattr(H, "_checkpoint", spy)
+    out = tmp_path / "nan"
+    with pytest.raises(FlowgeomError, match=r"diverged at step 7 \(KL nan.*tensors of step 4 were kept"):
+        heal_folder(folder, out, _cfg(tiny))
+    _, _, kept = read_factored(out)
+    assert all(torch.equal(kept[k], saved[4][k]) for k in saved[4])
+    assert (tmp_path / "nan.heal" / "checkpoint.safetensors").is_file()  # a diverged run keeps its state

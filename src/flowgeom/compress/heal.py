@@ -199,7 +199,7 @@ class Student:
     kind: str  # factored | dense
     model: torch.nn.Module
     trainable: dict[str, torch.nn.Parameter]
-    tensors: dict[str, torch.Tensor]  # every tensor of the folder as stored (dtype kept)
+    dtypes: dict[str, torch.dtype]  # every tensor of the folder and the dtype it is stored in (read back at write)
     report: dict[str, Any]
     config_json: dict[str, Any]
     extra: dict[str, dict] = field(default_factory=dict)
@@ -228,6 +228,8 @@ def load_student(folder: str | Path, *, norms: bool = False) -> Student:
     config_json = read_json_object(folder / "config.json", fix="write the folder again")
     if is_factored(folder):
         _, units, tensors = read_factored(folder)
+        dtypes = {name: t.dtype for name, t in tensors.items()}
+        del tensors  # the model holds its own; the rest is read back when the healed folder is written
         model = factored_llama(folder)
         trainable: dict[str, torch.nn.Parameter] = {}
         for u in units:
@@ -239,7 +241,7 @@ def load_student(folder: str | Path, *, norms: bool = False) -> Student:
         extra = {JSON_NAME: read_json_object(folder / JSON_NAME, fix="write the folder again")}
     elif report.get("format") == "dense" and str(report.get("method", "")).startswith("drop"):
         src = open_source(folder / "model.safetensors")
-        tensors = {name: src.load(name) for name in src.shapes}
+        dtypes = {name: src.load(name).dtype for name in src.shapes}
         model = load_llama(folder)
         trainable = {name: p for name, p in model.named_parameters()
                      if name.startswith("model.layers.") and name.endswith("_proj.weight")}
@@ -253,7 +255,7 @@ def load_student(folder: str | Path, *, norms: bool = False) -> Student:
         p.requires_grad_(False)
     for p in trainable.values():
         p.requires_grad_(True)
-    return Student(folder, kind, model, trainable, tensors, report, config_json, extra)
+    return Student(folder, kind, model, trainable, dtypes, report, config_json, extra)
 
 
 def student_identity(folder: Path, teacher: str) -> str:
@@ -273,10 +275,39 @@ def student_identity(folder: Path, teacher: str) -> str:
 
 def healed_tensors(student: Student) -> dict[str, torch.Tensor]:
     """Every tensor of the folder, the trained ones replaced (each in the dtype it was stored in)."""
-    out = dict(student.tensors)
+    from flowgeom.io.sources import open_source
+
+    src = open_source(student.folder / "model.safetensors")
+    out = {name: src.load(name) for name in student.dtypes if name not in student.trainable}
     for name, p in student.trainable.items():
-        out[name] = p.detach().to(student.tensors[name].dtype).contiguous()
+        out[name] = p.detach().to(student.dtypes[name]).contiguous()
     return out
+
+
+def original_tensors(student: Student) -> dict[str, torch.Tensor]:
+    """The trainable tensors as the folder stores them (the start of the run)."""
+    from flowgeom.io.sources import open_source
+
+    src = open_source(student.folder / "model.safetensors")
+    return {name: src.load(name) for name in student.trainable}
+
+
+def share_frozen(student: torch.nn.Module, teacher: torch.nn.Module) -> int:
+    """Point the student's untrained token embedding and head at the teacher's when they are equal (they are
+    copies of the same tensor: a factored folder keeps them as they were): one copy in memory, not two.
+    Returns the numbers saved."""
+    saved = 0
+    pairs = [("model.embed_tokens", "weight"), ("lm_head", "weight")]
+    for path, attr in pairs:
+        mine, theirs = student.get_submodule(path), teacher.get_submodule(path)
+        a, b = getattr(mine, attr), getattr(theirs, attr)
+        if a is b or a.requires_grad or a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a, b):
+            continue
+        setattr(mine, attr, b)
+        saved += a.numel()
+    if student.config.tie_word_embeddings:
+        student.lm_head.weight = student.model.embed_tokens.weight
+    return saved
 
 
 # ---------------------------------------------------------------- the run
@@ -345,25 +376,44 @@ def _heal_figure(history: Sequence[Mapping[str, Any]], reference: Mapping[str, f
 
 @dataclass
 class _Run:
-    """What a step loop carries: the position, the history (one record per evaluation) and the last good
-    trainable tensors (those of the last checkpoint)."""
+    """What a step loop carries: the position, the history (one record per evaluation) and the step of the last
+    good tensors (the last checkpoint's, on disk; 0 = the folder's own)."""
 
     step: int
     history: list[dict[str, Any]]
     good_step: int
-    good: dict[str, torch.Tensor]
     first_loss: float | None = None
 
 
 def _checkpoint(work: Path, run: _Run, student: Student, opt: torch.optim.Optimizer, identity: str,
                 config: HealConfig) -> None:
-    from flowgeom.runs import atomic_write_bytes, encode_checkpoint
+    """The run's state, streamed tensor by tensor into flowgeom's checkpoint format (no copy of the parameters
+    or of the optimiser's moments in memory: at SmolLM2 scale a copy is a gigabyte)."""
+    from flowgeom.compress.write import stream_safetensors
+    from flowgeom.runs import atomic_write, checkpoint_parts
 
-    run.good = {k: p.detach().clone() for k, p in student.trainable.items()}
-    run.good_step = run.step
     state = {"identity": identity, "config": _config_record(config), "step": run.step, "history": run.history,
-             "first_loss": run.first_loss, "trainable": run.good, "optimizer": opt.state_dict()}
-    atomic_write_bytes(work / CHECKPOINT, encode_checkpoint(state), root=work)
+             "first_loss": run.first_loss, "trainable": dict(student.trainable), "optimizer": opt.state_dict()}
+    meta, tensors = checkpoint_parts(state, copy=False)
+    atomic_write(work / CHECKPOINT, lambda fh: stream_safetensors(fh, tensors, meta), root=work)
+    run.good_step = run.step
+
+
+def _read_checkpoint(work: Path) -> dict[str, Any]:
+    from flowgeom.files import read_regular
+    from flowgeom.runs import decode_checkpoint
+
+    path = work / CHECKPOINT
+    return decode_checkpoint(read_regular(path, CHECKPOINT, fix="delete it and heal again", limit=1 << 36),
+                             source=str(path))
+
+
+def _restore_good(work: Path, run: _Run, student: Student) -> None:
+    """The trainable tensors of the last good step: the last checkpoint's, or the folder's own."""
+    good = _read_checkpoint(work)["trainable"] if run.good_step > 0 else original_tensors(student)
+    with torch.no_grad():
+        for name, p in student.trainable.items():
+            p.copy_(good[name])
 
 
 def _config_record(config: HealConfig) -> dict[str, Any]:
@@ -374,12 +424,8 @@ def _config_record(config: HealConfig) -> dict[str, Any]:
 
 
 def _resume(work: Path, student: Student, opt: torch.optim.Optimizer, identity: str, config: HealConfig) -> _Run:
-    from flowgeom.files import read_regular
-    from flowgeom.runs import decode_checkpoint
-
     path = work / CHECKPOINT
-    state = decode_checkpoint(read_regular(path, CHECKPOINT, fix="delete it and heal again", limit=1 << 36),
-                              source=str(path))
+    state = _read_checkpoint(work)
     if state.get("identity") != identity:
         raise FlowgeomError(f"{path} belongs to another student or teacher (another model or plan); heal this "
                             "folder without --resume, or resume the folder it came from")
@@ -393,8 +439,7 @@ def _resume(work: Path, student: Student, opt: torch.optim.Optimizer, identity: 
         for name, p in student.trainable.items():
             p.copy_(state["trainable"][name])
     opt.load_state_dict(state["optimizer"])
-    good = {k: v.clone() for k, v in state["trainable"].items()}
-    return _Run(state["step"], list(state["history"]), state["step"], good, state["first_loss"])
+    return _Run(state["step"], list(state["history"]), state["step"], state["first_loss"])
 
 
 def heal_folder(folder: str | Path, out: str | Path, config: HealConfig, *, force: bool = False,
@@ -443,8 +488,8 @@ def heal_folder(folder: str | Path, out: str | Path, config: HealConfig, *, forc
     identity = student_identity(folder, str(teacher_path.resolve()))
     opt = _optimizer(config, student.trainable)
     work = out_folder(work.parent, work, "the heal work folder")
-    run = _resume(work, student, opt, identity, config) if resume else _Run(0, [], 0, {
-        k: p.detach().clone() for k, p in student.trainable.items()})
+    run = _resume(work, student, opt, identity, config) if resume else _Run(0, [], 0)
+    share_frozen(student.model, teacher)
     reference = _evaluate(teacher, held_out, config.eval_context)
     student.model.train()
     if not run.history:
@@ -471,9 +516,9 @@ def heal_folder(folder: str | Path, out: str | Path, config: HealConfig, *, forc
             stop = (f"healing diverged at step {k + 1} (KL {value:.4g}, first {run.first_loss:.4g}); the tensors of "
                     f"step {run.good_step} were kept; lower --lr (now {config.lr:g})")
             break
-        opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        opt.zero_grad(set_to_none=True)  # the gradients' memory is free during the next forward
         del loss
         run.step += 1
         steps_timed += 1
@@ -497,9 +542,7 @@ def heal_folder(folder: str | Path, out: str | Path, config: HealConfig, *, forc
         if run.step % config.checkpoint_every == 0 or last:
             _checkpoint(work, run, student, opt, identity, config)
     if stop is not None:
-        with torch.no_grad():
-            for name, p in student.trainable.items():
-                p.copy_(run.good[name])
+        _restore_good(work, run, student)
 
     heal = {"teacher": teacher_spec, "config": _config_record(config), "steps": run.good_step if stop else run.step,
             "tokens": (run.good_step if stop else run.step) * tokens_per_step, "reference_ppl": reference,
