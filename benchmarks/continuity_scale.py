@@ -184,6 +184,7 @@ def run(folder: Path, results: Path | None, device: str, threads: int, extra: li
         raise SystemExit(f"analyze failed (exit {rc}): {' '.join(cmd)}")
     machine["load_after"] = os.getloadavg()
     report = json.loads((tmp / "full-report.json").read_text())
+    layers = report["layers"]  # what was analysed (--max-layers may take fewer than the checkpoint holds)
     rows, ok = [], 0
     for role, r in report["roles"].items():
         want = PLANTED[SHARED[role]]
