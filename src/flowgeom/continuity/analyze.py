@@ -295,7 +295,8 @@ def role_memory(shape: tuple[int, int], *, stored: int, compute: int, batch: int
     when ``bf16_window``, and its ``d x d`` Gram; nothing with ``gram=False``), the ``batch`` layers
     being read (as stored, converted, and their Grams), the cross product of a pair (``d x d``,
     float32 and bf16) and the Krylov basis with ``G K`` (``2 d (d/3)`` at most,
-    spectra.krylov_top_eigenpairs). Measured at Llama-8B shapes: within 10% of the peak RSS growth.
+    spectra.krylov_top_eigenpairs). At Llama-8B shapes (bf16, two workers) it gives 2 x 0.70 GiB; the
+    measured peak RSS was 1.9-2.0 GB, torch and the libraries included (docs/continuity.md).
     """
     m, n = shape
     d = min(m, n)
