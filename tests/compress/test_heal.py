@@ -40,7 +40,7 @@ def test_schedule_warms_up_linearly_peaks_and_decays_to_the_floor():
 
 def _compressed(capsys, tiny, tmp_path, *argv):  # noqa: F811
     out = tmp_path / "w"
-    code, _, err = _share(capsys, tiny, out, "--method", "whiten", "--budget", "0.4", *argv)
+    code, _, err = _share(capsys, tiny, out, "--method", "whiten", "--budget", "0.4", "--allocate", "even", *argv)
     assert code == 0, err
     return out
 

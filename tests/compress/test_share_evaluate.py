@@ -499,7 +499,8 @@ def test_share_budget_picks_the_largest_rank_that_saves_it(tiny_folder, tmp_path
     from flowgeom.compress.factorize import stored_per_rank
 
     code, stdout, err = _run(capsys, "continuity", "share", *_opts(tiny_folder), str(tiny_folder), "--out", str(tmp_path / "b"), "--roles",
-                             "q,gate,down", "--group", "2", "--budget", "0.3", "--space", "input", "--json")
+                             "q,gate,down", "--group", "2", "--budget", "0.3", "--space", "input", "--allocate", "even",
+                             "--json")
     assert code == 0, err
     report = json.loads(stdout)
     assert report["budget"] == 0.3 and report["rank"] is None
@@ -513,10 +514,10 @@ def test_share_budget_picks_the_largest_rank_that_saves_it(tiny_folder, tmp_path
             assert 1 - bigger / r["dense_params"] < 0.3, role
     assert len({r["rank"] for r in report["roles"].values()}) > 1  # 48x48, 80x48, 48x80: ranks differ per role
     code, stdout, _ = _run(capsys, "continuity", "share", *_opts(tiny_folder), str(tiny_folder), "--out", str(tmp_path / "t"), "--roles",
-                           "q", "--budget", "0.3", "--space", "input")
+                           "q", "--budget", "0.3", "--space", "input", "--allocate", "even")
     assert code == 0 and "budget 30% asked" in stdout
     code, stdout, _ = _run(capsys, "continuity", "share", *_opts(tiny_folder), str(tiny_folder), "--out", str(tmp_path / "k"), "--roles",
-                           "k", "--budget", "0.05", "--space", "input", "--group", "4")
+                           "k", "--budget", "0.05", "--space", "input", "--group", "4", "--allocate", "even")
     # k is 16x48: G = 1, L = 4, per rank 48 + 4*16 = 112; 0.95*3072/112 = 26 > 16, clamped to 16: saves 41.7%
     assert code == 0 and "per role, asked 5% but obtained: k 41.7%" in stdout
 

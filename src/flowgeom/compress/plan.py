@@ -23,6 +23,10 @@ Methods (``ratio`` c = fraction of the in-scope projection parameters saved):
 
 Budgets are met per role by the rank rule (floor: never over); the achieved
 fraction is reported next to the asked one (:attr:`Plan.saved_fraction`).
+:func:`allocate_by_loss` keeps a plan's units (spaces, groups) and moves their
+ranks model-wide by the calibration loss each whitened component costs
+(:mod:`flowgeom.compress.allocate`); a unit whose factoring would save nothing
+is then left dense (:attr:`Plan.dense`).
 """
 
 from __future__ import annotations

@@ -113,7 +113,7 @@ class ShareConfig:
         """``even`` or ``loss``: as asked, else loss wherever calibration gradients exist and ranks are free."""
         if self.allocate is not None:
             return self.allocate
-        return "even"
+        return "loss" if self.calibrated and self.rank is None and self.method not in DROP_METHODS else "even"
 
 
 def resolve_spaces(space: str | None, roles: Sequence[str], evidence: Mapping[str, Mapping] | None
