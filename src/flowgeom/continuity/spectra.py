@@ -206,8 +206,8 @@ def bf16_gram(A: torch.Tensor) -> tuple[torch.Tensor, str]:
     those with :class:`GramOperator` on the float32 matrix), but the
     Frobenius products of the sigma^2-similarity sum d^2 such entries and
     the roundings average out (relative ~1e-5, as for
-    :func:`flowgeom.continuity.metrics._cross_sq`). 1.8x faster than
-    float32 ``?syrk`` on AVX512-BF16 CPUs (a full GEMM at 2.7x the rate).
+    :func:`flowgeom.continuity.metrics._cross_sq`). 1.4-1.9x less CPU than
+    float32 ``?syrk`` on an AVX512-BF16 CPU (a full GEMM at 2.7x the rate).
     """
     m, n = A.shape[-2:]
     side = "in" if n <= m else "out"
