@@ -290,9 +290,15 @@ def factored_hf_llama(folder: str | Path, *, dtype: torch.dtype = torch.float32)
 
 def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32):
     """flowgeom's Llama from a factored folder (:func:`factored_llama`) or any source ``load_llama`` reads."""
+    from flowgeom.compress.auto import FACTORED_TYPE
     from flowgeom.nn.llama import load_llama
 
-    return factored_llama(path, dtype=dtype) if is_factored(path) else load_llama(path, dtype=dtype)
+    if is_factored(path):
+        return factored_llama(path, dtype=dtype)
+    config = Path(path) / "config.json"
+    if Path(path).is_dir() and config.is_file() and FACTORED_TYPE.encode() in config.read_bytes()[:1 << 20]:
+        raise _bad(Path(path), f"config.json says {FACTORED_TYPE} but {JSON_NAME} is missing")
+    return load_llama(path, dtype=dtype)
 
 
 def projection_bytes(folder: str | Path) -> tuple[int, int]:
