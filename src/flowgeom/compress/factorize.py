@@ -143,8 +143,11 @@ def _top_right(A: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     evals, evecs = torch.linalg.eigh(A @ A.T)
     sig = evals.flip(0).clamp_min(0).sqrt()
     U = evecs[:, -rank:].flip(-1)  # (rows, k)
-    V = A.T @ U / sig[:rank].clamp_min(torch.finfo(A.dtype).tiny)  # (n, k)
-    return sig, V
+    # a numerically zero σ (an exactly low-rank stack) has no direction to recover: A^T u / σ would be rounding
+    # noise divided by ~0 (inf in float32). Its column is left zero, so the component contributes nothing.
+    zero = sig[:rank] <= sig[0] * max(A.shape) * torch.finfo(A.dtype).eps
+    V = A.T @ U / torch.where(zero, 1.0, sig[:rank])  # (n, k)
+    return sig, V.masked_fill(zero, 0.0)
 
 
 def share_output(mats: torch.Tensor, grams: torch.Tensor | None, rank: int) -> Factors:

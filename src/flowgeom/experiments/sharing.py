@@ -130,7 +130,8 @@ def _share_config(config: Mapping[str, Any]):
         (method, space), roles = METHODS[strategy], ROLES
     return ShareConfig(method=method, budget=float(config["budget"]), roles=roles, group=int(config["group"]),
                        space=space, calib=config["calib"], calib_tokens=int(config["calib_tokens"]),
-                       sequential=bool(config.get("sequential", False)))
+                       sequential=bool(config.get("sequential", False)),
+                       allocate="even" if method != "svd" else None)  # the seed's question: spaces at equal ranks
 
 
 def run_sharing(config: Mapping[str, Any], folder, *, resume: bool = False) -> dict[str, Any]:
