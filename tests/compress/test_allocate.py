@@ -11,14 +11,13 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from test_compression import TEXT
-from test_share_evaluate import _byte_tokenizer, _run, hf_tiny
+from test_compression import tiny_folder
+from test_share_evaluate import _run
 
 from flowgeom.compress import allocate as A
 from flowgeom.compress import plan as C
 from flowgeom.compress.calibrate import calibrate, sensitivity
 from flowgeom.compress.mixed import calibration_loss
-from flowgeom.compress.write import save_llama_folder
 from flowgeom.errors import FlowgeomError
 from flowgeom.nn.llama import LlamaConfig, LlamaForCausalLM, llama_from_state
 
@@ -61,15 +60,7 @@ def trained():
 @pytest.fixture
 def tiny(tmp_path, monkeypatch):
     """A tiny HF Llama folder (512 positions: the calibration sequences are 512 tokens) with a byte tokenizer."""
-    monkeypatch.setenv("FLOWGEOM_CACHE", str(tmp_path / "cache"))
-    hf = hf_tiny(max_position_embeddings=512)
-    folder = tmp_path / "tiny"
-    folder.mkdir()
-    save_llama_folder(folder, LlamaConfig.from_hf(hf.config.to_dict()).to_hf(), hf.state_dict(),
-                      tokenizer=_byte_tokenizer())
-    (tmp_path / "calib.txt").write_text(TEXT)
-    (tmp_path / "text.txt").write_text(TEXT[::-1])
-    return folder
+    return tiny_folder(tmp_path, monkeypatch, max_position_embeddings=512)
 
 
 def _share(capsys, tiny, out, *argv):

@@ -24,11 +24,11 @@ TEXT = ("In the beginning God created the heaven and the earth. And the earth wa
         "and darkness was upon the face of the deep. ") * 40
 
 
-@pytest.fixture
-def tiny(tmp_path, monkeypatch):
-    """A tiny HF Llama folder with a byte tokenizer, a calibration text and a held-out text."""
+def tiny_folder(tmp_path, monkeypatch, **config):
+    """A tiny HF Llama folder (``config`` overrides hf_tiny's) with a byte tokenizer, a calibration text and a
+    held-out text beside it; the Gram cache under ``tmp_path``."""
     monkeypatch.setenv("FLOWGEOM_CACHE", str(tmp_path / "cache"))
-    hf = hf_tiny()
+    hf = hf_tiny(**config)
     folder = tmp_path / "tiny"
     folder.mkdir()
     save_llama_folder(folder, LlamaConfig.from_hf(hf.config.to_dict()).to_hf(), hf.state_dict(),
@@ -36,6 +36,12 @@ def tiny(tmp_path, monkeypatch):
     (tmp_path / "calib.txt").write_text(TEXT)
     (tmp_path / "text.txt").write_text(TEXT[::-1])
     return folder
+
+
+@pytest.fixture
+def tiny(tmp_path, monkeypatch):
+    """A tiny HF Llama folder with a byte tokenizer, a calibration text and a held-out text."""
+    return tiny_folder(tmp_path, monkeypatch)
 
 
 def _share(capsys, tiny, out, *argv):
