@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/compression.py [--budget 0.2] [--method whiten] [--repeats 5]
 
-1. ``continuity share builtin:smollm2`` at the budget (calibration from the disk cache when present: the
+1. ``compress run builtin:smollm2`` at the budget (calibration from the disk cache when present: the
    first run measures it, and prints the time of each stage), factored and ``--dense``.
 2. Projection tensors on disk: factored bytes / dense float32 bytes.
 3. Forward of a 512-token window, 1 BLAS thread, factored and dense reconstruction interleaved

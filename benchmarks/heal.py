@@ -3,7 +3,7 @@ inference (each in a fresh subprocess).
 
     .venv/bin/python benchmarks/heal.py FOLDER [--repeats 5] [--threads 2]
 
-FOLDER is a compressed folder (``continuity share builtin:smollm2 --out FOLDER --budget 0.2``).
+FOLDER is a compressed folder (``compress run builtin:smollm2 --out FOLDER --budget 0.2``).
 
 1. Time: one heal step (teacher forward without autograd, student forward with per-block gradient
    checkpointing, KL, backward, AdamW) against one dense training step (forward, LM loss, backward, AdamW on

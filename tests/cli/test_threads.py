@@ -25,7 +25,7 @@ def test_every_threads_flag_means_the_same():
         flag = next((a for a in sub._actions if "--threads" in a.option_strings), None)
         if flag is not None:
             seen[name] = flag
-    assert {"continuity analyze", "continuity share", "continuity evaluate", "continuity train", "conserve run",
+    assert {"continuity analyze", "compress run", "compress evaluate", "continuity train", "conserve run",
             "langevin villani", "langevin darcy"} <= set(seen), sorted(seen)
     common = THREADS_HELP.format(cpus=_cpus())
     for name, flag in seen.items():

@@ -64,7 +64,7 @@ def tiny(tmp_path, monkeypatch):
 
 
 def _share(capsys, tiny, out, *argv):
-    return _run(capsys, "continuity", "share", str(tiny), "--out", str(out), "--calib", str(tiny.parent / "calib.txt"),
+    return _run(capsys, "compress", "run", str(tiny), "--out", str(out), "--calib", str(tiny.parent / "calib.txt"),
                 "--calib-tokens", "512", *argv)
 
 
@@ -257,7 +257,7 @@ def test_mixed_writes_a_folder_evaluate_reads_and_keeps_the_best_measured_split(
     assert all(t["scope_saved_fraction"] >= 0.3 for t in tried)
     assert report["scope_saved_fraction"] == pytest.approx(best["scope_saved_fraction"])
     assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 4 - best["n"]
-    code, stdout, err = _run(capsys, "continuity", "evaluate", str(tiny), "--compare", str(out), "--text",
+    code, stdout, err = _run(capsys, "compress", "evaluate", str(tiny), "--compare", str(out), "--text",
                              str(tiny.parent / "text.txt"), "--context", "64", "--json")
     assert code == 0, err
     assert math.isfinite(json.loads(stdout)["models"][1]["ppl"])

@@ -44,9 +44,9 @@ def tiny(tmp_path, monkeypatch):
     return tiny_folder(tmp_path, monkeypatch)
 
 
-def _share(capsys, tiny, out, *argv):
+def _share(capsys, tiny, out, *argv, verb="run"):
     calib = tiny.parent / "calib.txt"
-    return _run(capsys, "continuity", "share", str(tiny), "--out", str(out), "--calib", str(calib),
+    return _run(capsys, "compress", verb, str(tiny), "--out", str(out), "--calib", str(calib),
                 "--calib-tokens", "512", *argv)
 
 
@@ -220,7 +220,7 @@ def test_bad_compression_input_is_one_error():
 def test_whiten_beats_data_free_svd_on_held_out_perplexity(tiny, tmp_path, capsys):
     for method in ("svd", "whiten"):
         assert _share(capsys, tiny, tmp_path / method, "--method", method, "--budget", "0.4")[0] == 0
-    code, stdout, err = _run(capsys, "continuity", "evaluate", str(tiny), "--compare", str(tmp_path / "svd"),
+    code, stdout, err = _run(capsys, "compress", "evaluate", str(tiny), "--compare", str(tmp_path / "svd"),
                              str(tmp_path / "whiten"), "--text", str(tiny.parent / "calib.txt"), "--context", "64",
                              "--json")
     assert code == 0, err
@@ -257,15 +257,15 @@ def test_continuity_plan_groups_pairs_where_a_shared_basis_loses_less(tiny):
 
 def test_sweep_writes_the_curve_and_its_figure(tiny, tmp_path, capsys):
     out = tmp_path / "sweep"
-    code, stdout, err = _share(capsys, tiny, out, "--method", "whiten", "--sweep", "0.2,0.4", "--eval-tokens", "300",
-                               "--json")
+    code, stdout, err = _share(capsys, tiny, out, "--method", "whiten", "--budgets", "0.2,0.4", "--eval-tokens",
+                               "300", "--json", verb="sweep")
     assert code == 0, err
     result = json.loads(stdout)
     assert [p["budget"] for p in result["points"]] == [0.2, 0.4]
     assert all(math.isfinite(p["ppl"]) and p["saved_fraction"] >= p["budget"] - 1e-9 for p in result["points"])
     assert (out / "sweep.png").stat().st_size > 1000 and json.loads((out / "sweep.json").read_text())["points"]
-    code, stdout, err = _share(capsys, tiny, tmp_path / "drops", "--method", "drop-angular", "--sweep", "0.2,0.4",
-                               "--eval-tokens", "300", "--json")
+    code, stdout, err = _share(capsys, tiny, tmp_path / "drops", "--method", "drop-angular", "--budgets", "0.2,0.4",
+                               "--eval-tokens", "300", "--json", verb="sweep")
     assert code == 0, err
     assert [p["saved_params"] > 0 for p in json.loads(stdout)["points"]] == [True, True]
 
@@ -289,17 +289,17 @@ def test_share_options_that_do_not_go_together(tiny, tmp_path, capsys, argv, mes
 def test_share_calibration_text_problems(tiny, tmp_path, capsys):
     short = tmp_path / "short.txt"
     short.write_text("too short")
-    code, _, err = _run(capsys, "continuity", "share", str(tiny), "--out", str(tmp_path / "o"), "--calib", str(short),
+    code, _, err = _run(capsys, "compress", "run", str(tiny), "--out", str(tmp_path / "o"), "--calib", str(short),
                         "--calib-tokens", "512")
     assert code == 2 and "fewer than --calib-tokens 512" in err
     binary = tmp_path / "bin.txt"
     binary.write_bytes(b"\xff\xfe" * 400)
-    code, _, err = _run(capsys, "continuity", "share", str(tiny), "--out", str(tmp_path / "o"), "--calib",
+    code, _, err = _run(capsys, "compress", "run", str(tiny), "--out", str(tmp_path / "o"), "--calib",
                         str(binary), "--calib-tokens", "512")
     assert code == 2 and "not UTF-8" in err
     long = tmp_path / "long.txt"
     long.write_text(TEXT)
-    code, _, err = _run(capsys, "continuity", "share", str(tiny), "--out", str(tmp_path / "o"), "--calib", str(long),
+    code, _, err = _run(capsys, "compress", "run", str(tiny), "--out", str(tmp_path / "o"), "--calib", str(long),
                         "--calib-tokens", "64", "--method", "whiten")
     assert code == 2 and "below one sequence" in err
     assert not (tmp_path / "o").exists()
@@ -333,7 +333,7 @@ def test_a_damaged_factored_folder_is_one_line_exit_2(tiny, tmp_path, capsys, da
     out = tmp_path / "f"
     assert _share(capsys, tiny, out, "--method", "basis-sharing", "--budget", "0.3")[0] == 0
     damage(out)
-    code, _, err = _run(capsys, "continuity", "evaluate", str(tiny), "--compare", str(out), "--text",
+    code, _, err = _run(capsys, "compress", "evaluate", str(tiny), "--compare", str(out), "--text",
                         str(tiny.parent / "text.txt"), "--context", "64")
     if message is None:  # without its JSON the folder is read as a plain Llama folder: the factors do not fit it
         assert code == 2 and "missing" in err
@@ -411,7 +411,7 @@ def test_dropping_blocks_writes_a_shorter_llama_that_evaluates(tiny, tmp_path, c
     back, _ = llama_state_dict(out)
     assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 4 - n == report["layers"]
     assert report["scope_saved_fraction"] == pytest.approx(report["saved_params"] / report["scope_params"])
-    code, stdout, err = _run(capsys, "continuity", "evaluate", str(tiny), "--compare", str(out), "--text",
+    code, stdout, err = _run(capsys, "compress", "evaluate", str(tiny), "--compare", str(out), "--text",
                              str(tiny.parent / "text.txt"), "--context", "64", "--json")
     assert code == 0, err
     assert math.isfinite(json.loads(stdout)["models"][1]["ppl"])

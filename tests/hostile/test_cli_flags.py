@@ -378,7 +378,7 @@ def test_any_text_for_a_typed_flag_parses_or_is_one_usage_line(case, text):
 
 
 @pytest.mark.parametrize("command", [["continuity", "analyze", "builtin:minilm"],
-                                     ["continuity", "evaluate", "builtin:smollm2", "--tokens", "300"]])
+                                     ["compress", "evaluate", "builtin:smollm2", "--tokens", "300"]])
 @pytest.mark.parametrize("where", ["folder", "under_a_file"])
 def test_an_out_file_that_cannot_be_written_is_refused_before_the_work(command, where, cli, tmp_path, monkeypatch):
     """--out naming a folder, or a path under a file, used to fail only after the whole analysis or evaluation."""

@@ -1,4 +1,4 @@
-"""``continuity evaluate`` on degenerate input says what is degenerate instead of reporting a confident number.
+"""``compress evaluate`` on degenerate input says what is degenerate instead of reporting a confident number.
 
 * Weights scaled by 1e18: RMSNorm's mean square overflows float32, the norm
   returns 0 and every logit row is uniform, so the perplexity came out as the
@@ -57,7 +57,7 @@ def make_folder(tmp_path, monkeypatch):
 
 
 def _evaluate(cli, folder: Path, tmp_path: Path, *extra):
-    return cli(["continuity", "evaluate", folder, "--text", tmp_path / "text.txt", "--context", "8", *extra])
+    return cli(["compress", "evaluate", folder, "--text", tmp_path / "text.txt", "--context", "8", *extra])
 
 
 def test_scaled_weights_are_refused_not_scored_as_the_vocabulary_size(make_folder, tmp_path, cli, strict_json):

@@ -74,7 +74,7 @@ def test_fifo_in_a_model_folder_is_refused_by_evaluate(tmp_path, name):
     (model / name).unlink(missing_ok=True)
     os.mkfifo(model / name)
     before = snapshot(tmp_path)
-    rc, err = flowgeom(["continuity", "evaluate", "m", "--context", "8", "--out", "o.json"], tmp_path,
+    rc, err = flowgeom(["compress", "evaluate", "m", "--context", "8", "--out", "o.json"], tmp_path,
                        tmp_path / "cache")
     fix = {"config.json": "an HF Llama folder needs config.json next to its safetensors",
            "tokenizer.json": "copy the original model's tokenizer.json there"}[name]

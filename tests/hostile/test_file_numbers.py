@@ -93,7 +93,7 @@ def test_huge_numbers_in_config_json_are_refused_before_any_allocation(folder, t
     (folder / "config.json").write_text(json.dumps(cfg))
     before = snapshot(tmp_path, skip=("cache",))
     start = time.perf_counter()
-    rc, out, err = cli(["continuity", "evaluate", folder, "--text", tmp_path / "text.txt", "--context", "8",
+    rc, out, err = cli(["compress", "evaluate", folder, "--text", tmp_path / "text.txt", "--context", "8",
                         "--out", tmp_path / "o.json"])
     assert time.perf_counter() - start < 60  # refused, not allocated or looped over
     assert rc == 2 and not out
@@ -103,7 +103,7 @@ def test_huge_numbers_in_config_json_are_refused_before_any_allocation(folder, t
 
 
 def test_the_untouched_folder_evaluates(folder, tmp_path, cli, strict_json):
-    rc, out, _ = cli(["continuity", "evaluate", folder, "--text", tmp_path / "text.txt", "--context", "8", "--json"])
+    rc, out, _ = cli(["compress", "evaluate", folder, "--text", tmp_path / "text.txt", "--context", "8", "--json"])
     assert rc == 0 and strict_json(out)  # the fixture is valid: the refusals above are about the one number
 
 
@@ -168,7 +168,7 @@ def test_forged_gguf_metadata_is_refused_by_share(tmp_path, cli, override, line)
     path = _gguf(tmp_path / "forged.gguf", **override)
     before = snapshot(tmp_path, skip=("cache",))
     start = time.perf_counter()
-    rc, out, err = cli(["continuity", "share", path, "--out", tmp_path / "o", "--method", "svd", "--rank", "2"])
+    rc, out, err = cli(["compress", "run", path, "--out", tmp_path / "o", "--method", "svd", "--rank", "2"])
     assert time.perf_counter() - start < 60
     assert rc == 2 and err.strip() == (f"flowgeom: error: {line}; the file is corrupt or forged: re-download or "
                                        "re-convert it")
@@ -179,7 +179,7 @@ def test_int8_codes_in_a_gguf_are_refused_like_in_an_hf_folder(tmp_path, cli):
     """One rule for both paths: integer weight codes are refused, never cast to float and scored."""
     path = _gguf(tmp_path / "codes.gguf", int8="blk.1.ffn_up.weight")
     before = snapshot(tmp_path, skip=("cache",))
-    rc, _, err = cli(["continuity", "share", path, "--out", tmp_path / "o", "--method", "svd", "--rank", "2"])
+    rc, _, err = cli(["compress", "run", path, "--out", tmp_path / "o", "--method", "svd", "--rank", "2"])
     assert rc == 2 and err.strip() == (f"flowgeom: error: {path}: blk.1.ffn_up.weight has dtype int8 (and 0 more "
                                        "integer tensors): a quantised checkpoint; dequantise it to float (e.g. "
                                        "save_pretrained of the dequantised model) first")
@@ -193,7 +193,7 @@ def test_int8_codes_in_a_gguf_are_refused_like_in_an_hf_folder(tmp_path, cli):
         torch.int8)
     save_file({k: v for k, v in state.items() if k != "lm_head.weight"}, hf / "model.safetensors")
     (hf / "config.json").write_text(json.dumps(TINY.to_hf()))
-    rc, _, err_hf = cli(["continuity", "share", hf, "--out", tmp_path / "o", "--method", "svd", "--rank", "2"])
+    rc, _, err_hf = cli(["compress", "run", hf, "--out", tmp_path / "o", "--method", "svd", "--rank", "2"])
     assert rc == 2 and err_hf.strip() == err.strip().replace(str(path), str(hf)).replace(
         "blk.1.ffn_up.weight", "model.layers.1.mlp.up_proj.weight")
 

@@ -49,8 +49,8 @@ def wide_layer_1(tmp_path, monkeypatch) -> Path:
 
 
 @pytest.mark.parametrize("argv", [
-    ["continuity", "share", "m", "--out", "o", "--method", "svd", "--rank", "2", "--calib", "text.txt"],
-    ["continuity", "evaluate", "m", "--text", "text.txt", "--context", "16", "--out", "o.json"],
+    ["compress", "run", "m", "--out", "o", "--method", "svd", "--rank", "2", "--calib", "text.txt"],
+    ["compress", "evaluate", "m", "--text", "text.txt", "--context", "16", "--out", "o.json"],
 ])
 def test_a_config_that_disagrees_with_a_later_layer_is_refused_alike(wide_layer_1, tmp_path, cli, monkeypatch, argv):
     monkeypatch.chdir(tmp_path)

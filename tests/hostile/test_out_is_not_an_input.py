@@ -82,7 +82,7 @@ def test_sharded_index_folder_is_an_input(tmp_path):
                                                         "builtin:smollm2"])
 
 
-@pytest.mark.parametrize("argv", [["continuity", "evaluate", "other.safetensors", "--out", "m/model.safetensors"],
+@pytest.mark.parametrize("argv", [["compress", "evaluate", "other.safetensors", "--out", "m/model.safetensors"],
                                   ["continuity", "analyze", "other.safetensors", "--out", "m/model.safetensors"]])
 def test_a_report_never_replaces_an_existing_checkpoint(model, tmp_path, cli, monkeypatch, argv):
     """Whatever the inputs: ``--out`` onto a file that starts like safetensors/GGUF is refused (evaluate included)."""
@@ -107,6 +107,6 @@ def test_a_gguf_is_recognised_and_a_report_may_be_replaced(tmp_path):
 def test_evaluate_out_inside_the_model_folder_it_reads_is_refused(model, tmp_path, cli, monkeypatch):
     monkeypatch.chdir(tmp_path)
     before = snapshot(tmp_path)
-    rc, _, err = cli(["continuity", "evaluate", "m", "--out", "m/report.json"])
+    rc, _, err = cli(["compress", "evaluate", "m", "--out", "m/report.json"])
     assert rc == 2 and "lies inside the input folder" in err and len(err.strip().splitlines()) == 1
     assert snapshot(tmp_path) == before

@@ -1,7 +1,8 @@
-"""``flowgeom compress heal``: distil the dense model back into a compressed folder.
+"""The ``flowgeom compress`` area: ``run``, ``sweep`` and ``evaluate`` (:mod:`flowgeom.cli.compress_run`)
+and ``heal``, which distils the dense model back into a compressed folder.
 
-The maths and the run live in :mod:`flowgeom.compress.heal`; this module
-parses, validates, calls and prints. See docs/continuity-sharing.md.
+The maths and the run live in :mod:`flowgeom.compress`; these modules
+parse, validate, call and print. See docs/continuity-sharing.md.
 """
 
 from __future__ import annotations
@@ -44,14 +45,11 @@ def heal_printer(enabled: bool):
 
 
 def run_heal(args: argparse.Namespace) -> int:
-    from contextlib import nullcontext
-
-    from flowgeom.cli.continuity_share import _stage_progress
+    from flowgeom.cli.progress import stage_progress
     from flowgeom.compress.heal import heal_folder
 
     config = heal_config(args, args.tokens)  # every option checked before any work
-    bar, update = _stage_progress(not args.json)
-    with bar if bar is not None else nullcontext():
+    with stage_progress(not args.json, prefix="compress heal") as update:
         result = heal_folder(Path(args.folder), Path(args.out), config, force=args.force, resume=args.resume,
                              progress=update, on_eval=heal_printer(not args.json))
     if args.json:
@@ -94,14 +92,18 @@ def add_heal_flags(p: argparse.ArgumentParser, *, tokens_flag: str | None) -> No
 
 
 def register(sub) -> None:
-    verbs = area(sub, "compress", "compressed models that still work: heal a compressed folder by distillation")
+    from flowgeom.cli.compress_run import register_verbs
+
+    verbs = area(sub, "compress", "compressed models that still work: compress (low rank, shared bases, dropped "
+                                  "blocks), heal by distillation, judge by perplexity")
+    register_verbs(verbs)
     p = command(verbs, "heal", help="distil the dense model's logits into a compressed folder (factors, or the "
                                     "blocks left after dropping)",
-                example="flowgeom continuity share builtin:smollm2 --out runs/w20 --budget 0.2\n"
+                example="flowgeom compress run builtin:smollm2 --out runs/w20 --budget 0.2\n"
                         "flowgeom compress heal runs/w20 --out runs/w20-healed --tokens 200000\n"
                         "flowgeom compress heal runs/w20 --out runs/w20-healed --tokens 200000 --resume",
                 func=run_heal)
-    p.add_argument("folder", help="a folder written by `flowgeom continuity share` (factored or dropped blocks)")
+    p.add_argument("folder", help="a folder written by `flowgeom compress run` (factored or dropped blocks)")
     p.add_argument("--out", required=True, help="new folder for the healed model; the run's state goes to OUT.heal/")
     add_heal_flags(p, tokens_flag="--tokens")
     p.add_argument("--resume", action="store_true", help="continue from OUT.heal/checkpoint.safetensors")

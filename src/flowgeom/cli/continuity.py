@@ -15,7 +15,7 @@ from pathlib import Path
 
 from flowgeom.cli._common import add_device, add_json, add_seed, add_threads, area, command, console, print_json, resolve_device
 from flowgeom.cli._common import positive_float, positive_int
-from flowgeom.errors import FlowgeomError
+from flowgeom.cli.progress import clock
 
 TABLE_METRICS = (("v1", "v1"), ("u1", "u1"), ("subspace_in", "sub in"), ("subspace_out", "sub out"),
                  ("gram_in", "gram in"), ("gram_out", "gram out"))
@@ -70,7 +70,7 @@ class _Progress:
         elapsed = time.monotonic() - self.t0
         eta = elapsed * (work - worked) / worked if worked else None
         return (f"continuity analyze: {done}/{total} layer matrices, {roles}/{len(self.plan)} roles done, "
-                f"{_clock(elapsed)} elapsed, ETA {_clock(eta) if eta is not None else '?'}")
+                f"{clock(elapsed)} elapsed, ETA {clock(eta) if eta is not None else '?'}")
 
     def __call__(self, role: str, done: int, total: int) -> None:
         with self.lock:
@@ -86,11 +86,6 @@ class _Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.stop()
-
-
-def _clock(seconds: float) -> str:
-    seconds = int(round(seconds))
-    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 
 def _progress(mode: str, json_out: bool) -> _Progress | None:
@@ -281,4 +276,3 @@ def register(sub) -> None:
     from flowgeom.cli.continuity_train import register_verbs as add_training_verbs
 
     add_training_verbs(verbs)  # train / ablate / plot: gradient-coherence dynamics (continuity/dynamics.py)
-    __import__("flowgeom.cli.continuity_share", fromlist=["register_verbs"]).register_verbs(verbs)  # share / evaluate

@@ -5,7 +5,11 @@ and run through the model block by block. In block l four inputs are seen:
 the attention input (after ``input_layernorm``; read by q, k, v), the input of
 ``o_proj``, the MLP input (after ``post_attention_layernorm``; read by gate
 and up) and the input of ``down_proj``. Each one's Gram ``X^T X`` accumulates in
-float64, chunk by chunk (:data:`GRAM_KEYS`).
+float64, chunk by chunk (:data:`GRAM_KEYS`): a chunk's product is formed in the
+activations' own precision (at most a few thousand rows each, as SVD-LLM
+forms its Grams; a float64 product of the 1536-wide down_proj input was half
+of SmolLM2's calibration time) and summed in float64, so rounding does not
+grow with the number of calibration tokens.
 
 **Streamed, one block at a time.** The hidden states of all sequences
 (N x d floats) move from block to block, so memory holds one block's
@@ -93,8 +97,9 @@ def _gram_hooks(layer: torch.nn.Module, acc: dict[str, torch.Tensor]) -> list:
         module = layer.get_submodule(path)
 
         def hook(_m, args, key=key):
-            x = args[0].reshape(-1, args[0].shape[-1]).double()  # (B T, n)
-            acc[key] = acc[key] + x.T @ x if key in acc else x.T @ x
+            x = args[0].reshape(-1, args[0].shape[-1])  # (B T, n)
+            part = (x.T @ x).double()  # (n, n)
+            acc[key] = acc[key] + part if key in acc else part
         handles.append(module.register_forward_pre_hook(hook))
     return handles
 

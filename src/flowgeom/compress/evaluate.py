@@ -1,10 +1,10 @@
 """Held-out perplexity of one model and the models compared with it, as the user judges a compression.
 
 :func:`compare_models` loads each model from disk in turn (a dense folder, a
-factored folder written by ``continuity share``, a GGUF or ``builtin:`` name),
+factored folder written by ``compress run``, a GGUF or ``builtin:`` name),
 scores it on the same token ids with :func:`flowgeom.compress.perplexity.perplexity`
 and reports its parameters and bytes on disk next to its perplexity ratio to
-the first model. The CLI (``flowgeom continuity evaluate``) only parses and prints.
+the first model. The CLI (``flowgeom compress evaluate``) only parses and prints.
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ def bytes_on_disk(path: Path) -> int:
 
 
 def _saved_params(path: Path) -> int | None:
-    """The parameters a ``continuity share`` folder says it saved (None for other models)."""
+    """The parameters a ``compress run`` folder says it saved (None for other models)."""
     share = path / "flowgeom_share.json" if path.is_dir() else None
     if share is None or not share.is_file():
         return None
     from flowgeom.runs import read_json_object
 
-    return read_json_object(share, fix="re-run continuity share").get("saved_params")
+    return read_json_object(share, fix="re-run compress run").get("saved_params")
 
 
 def compare_models(specs: Sequence[str], *, text: str = "kjv", config: EvalConfig, device: str | torch.device = "cpu",
@@ -46,7 +46,7 @@ def compare_models(specs: Sequence[str], *, text: str = "kjv", config: EvalConfi
     """
     from flowgeom.compress.folder import load_model
     from flowgeom.compress.run import source_path
-    from flowgeom.data.text import load_text
+    from flowgeom.data.text import is_named, load_text
     from flowgeom.data.tokens import load_tokenizer, token_ids
     from flowgeom.runs import atomic_write_json, check_out_file
 
@@ -54,7 +54,7 @@ def compare_models(specs: Sequence[str], *, text: str = "kjv", config: EvalConfi
     if out is not None:
         check_out_file(out, inputs=paths)
     tokenizer = load_tokenizer(paths[0])
-    corpus = load_text(text, split="test") if text == "kjv" else load_text(text)
+    corpus = load_text(text, split="test")
     ids = token_ids(corpus, tokenizer)
     n = len(ids) if config.max_tokens is None else min(len(ids), config.max_tokens)
     windows(n, config.context, config.stride or config.context)  # text too short: refused before any model loads
@@ -79,7 +79,8 @@ def compare_models(specs: Sequence[str], *, text: str = "kjv", config: EvalConfi
         del model
     for row in rows:
         row["ppl_ratio"] = row["ppl"] / rows[0]["ppl"]
-    split = {"kjv": "test (last 5% of verses)", "fortunes": "whole text"}.get(text, "whole file")
+    split = {"kjv": "test (last 5% of verses)", "fortunes": "whole text"}.get(
+        text, "test (last 5%)" if is_named(text) else "whole file")
     result = {"text": text, "split": split,
               "tokens_in_split": len(ids),
               "config": {"context": config.context, "stride": config.stride or config.context,

@@ -1,6 +1,6 @@
 """Factored checkpoints: bases and coefficients on disk, loaded as factored linear layers.
 
-**Folder layout** (what ``flowgeom continuity share`` writes)::
+**Folder layout** (what ``flowgeom compress run`` writes)::
 
     config.json               the HF Llama config, model_type flowgeom_factored (flowgeom.compress.auto)
     model.safetensors         every tensor that is not compressed (embeddings, norms, dense projections)
@@ -42,7 +42,7 @@ FORMAT = "flowgeom-factored"
 VERSION = 1
 JSON_NAME = "flowgeom_factored.json"
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_FIX = "write the factored folder again with `flowgeom continuity share`"
+_FIX = "write the factored folder again with `flowgeom compress run`"
 
 
 class FactoredLinear(nn.Module):
@@ -131,7 +131,7 @@ class FactoredUnit:
 
 def _bad(folder: Path, what: str) -> FlowgeomError:
     return FlowgeomError(f"{folder}: {what}; the factored folder was edited or truncated: write it again with "
-                         "`flowgeom continuity share`")
+                         "`flowgeom compress run`")
 
 
 def _units(folder: Path, meta: object, n_layers: int) -> list[FactoredUnit]:

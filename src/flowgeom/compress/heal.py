@@ -211,8 +211,8 @@ def _share_report(folder: Path) -> dict[str, Any]:
     path = folder / "flowgeom_share.json"
     if not folder.is_dir() or not path.is_file():
         raise FlowgeomError(f"{folder} is not a compressed folder (no flowgeom_share.json); heal takes a folder "
-                            "written by `flowgeom continuity share` (factored, or with dropped blocks)")
-    return read_json_object(path, fix="write the folder again with `flowgeom continuity share`")
+                            "written by `flowgeom compress run` (factored, or with dropped blocks)")
+    return read_json_object(path, fix="write the folder again with `flowgeom compress run`")
 
 
 def load_student(folder: str | Path, *, norms: bool = False) -> Student:
@@ -248,7 +248,7 @@ def load_student(folder: str | Path, *, norms: bool = False) -> Student:
         kind, extra = "dense", {}
     else:
         raise FlowgeomError(f"{folder} is neither factored nor a model with dropped blocks ({report.get('method')!r}, "
-                            f"{report.get('format')!r}); heal takes what `continuity share` writes without --dense")
+                            f"{report.get('format')!r}); heal takes what `compress run` writes without --dense")
     if norms:
         trainable.update({name: p for name, p in model.named_parameters() if name.endswith("norm.weight")})
     for p in model.parameters():
@@ -316,17 +316,16 @@ def _held_out_ids(name: str, tokenizer, tokens: int) -> torch.Tensor:
     from flowgeom.data.text import load_text
     from flowgeom.data.tokens import token_ids
 
-    text = load_text("kjv", split="test") if name == "kjv" else load_text(name)
+    text = load_text(name, split="test")
     return token_ids(text, tokenizer)[:tokens]
 
 
 def _healing_ids(config: HealConfig, tokenizer) -> torch.Tensor:
-    from flowgeom.data.text import load_text
+    from flowgeom.data.text import check_text, load_text
     from flowgeom.data.tokens import token_ids
 
-    if config.text != "kjv" and not Path(config.text).is_file():
-        raise FlowgeomError(f"--text {config.text} is not a file; pass kjv or a UTF-8 text file")
-    text = load_text("kjv", split="train") if config.text == "kjv" else load_text(config.text)
+    check_text(config.text, "--heal-text")
+    text = load_text(config.text, split="train")
     ids = token_ids(text, tokenizer)
     if len(ids) < config.seq_len + 2:
         raise FlowgeomError(f"the healing text has {len(ids)} tokens, fewer than one sequence of {config.seq_len}; "

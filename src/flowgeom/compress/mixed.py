@@ -24,7 +24,7 @@ model; the angular criterion picks the run whose removal changes the
 residual stream least, which is what keeps that approximation close.
 
 The folder is a factored folder of the shortened model (the kept blocks
-renumbered), so ``continuity evaluate`` and the loaders read it as any
+renumbered), so ``compress evaluate`` and the loaders read it as any
 other.
 """
 

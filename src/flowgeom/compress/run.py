@@ -1,4 +1,4 @@
-"""``continuity share`` as a library call: calibrate, plan, factorise, write a factored (or dense) folder.
+"""``compress run`` as a library call: calibrate, plan, factorise, write a factored (or dense) folder.
 
 :func:`share_model` is the one implementation the CLI and the sharing
 experiment use. Its steps, each refused up front on bad input (nothing is
@@ -130,21 +130,17 @@ def resolve_spaces(space: str | None, roles: Sequence[str], evidence: Mapping[st
 
 
 def calibration_ids(source: Path, calib: str, tokens: int, seq_len: int, tokenizer) -> torch.Tensor:
-    """(S, seq_len) calibration ids from ``calib`` (``kjv`` train split, or a UTF-8 file)."""
+    """(S, seq_len) calibration ids from ``calib``: the train split of a shipped text (``kjv``, ``kjv+pydoc``
+    ...), or a UTF-8 file."""
     from flowgeom.compress.calibrate import sequences
-    from flowgeom.data.text import load_text
+    from flowgeom.data.text import check_text, load_text
     from flowgeom.data.tokens import token_ids
 
     if tokenizer is None:
         raise FlowgeomError(f"{source} has no tokenizer, so calibration text cannot be tokenised; copy the original "
                             "model's tokenizer.json into it, or use --method svd (data-free)")
-    if calib == "kjv":
-        text = load_text("kjv", split="train")
-    else:
-        path = Path(calib)
-        if not path.is_file():
-            raise FlowgeomError(f"--calib {calib} is not a file; pass kjv or a UTF-8 text file")
-        text = load_text(str(path))
+    check_text(calib, "--calib")
+    text = load_text(calib, split="train")
     if not text.strip():
         raise FlowgeomError(f"--calib {calib} holds no text; pass a UTF-8 text of at least --calib-tokens tokens")
     ids = token_ids(text, tokenizer)

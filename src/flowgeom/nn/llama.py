@@ -26,7 +26,7 @@ Parameter names (``(out, in)`` like ``nn.Linear``)::
     lm_head.weight                                (vocab d), absent on disk when tied
 
 Loading: :func:`load_llama` takes a GGUF (``builtin:smollm2`` included) or an
-HF-layout folder (``config.json`` + safetensors, what ``continuity share``
+HF-layout folder (``config.json`` + safetensors, what ``compress run``
 writes). The forward is checked against ``transformers.LlamaForCausalLM``
 (tests/compress/test_share_evaluate.py).
 """

@@ -1,7 +1,7 @@
-"""``flowgeom continuity share|evaluate``: cross-layer basis sharing, judged by perplexity.
+"""``flowgeom compress run|sweep|evaluate``: compress a model, sweep budgets, judge by perplexity.
 
-``register_verbs(verbs)`` adds the verbs to the ``continuity`` area (see
-:mod:`flowgeom.cli.continuity`). The maths lives in
+``register_verbs(verbs)`` adds the verbs to the ``compress`` area (see
+:mod:`flowgeom.cli.compress`, which adds ``heal``). The maths lives in
 :mod:`flowgeom.compress.run` and :mod:`flowgeom.compress.perplexity`;
 this module parses, validates, calls and prints. See docs/continuity-sharing.md.
 """
@@ -9,13 +9,13 @@ this module parses, validates, calls and prints. See docs/continuity-sharing.md.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from flowgeom.cli._common import (
     add_device, add_json, add_threads, bounded_int, command, comma_list, console, finite_float,
     positive_int, print_json, resolve_device,
 )
+from flowgeom.cli.progress import stage_progress
 from flowgeom.errors import FlowgeomError
 from flowgeom.limits import LIMITS
 
@@ -35,75 +35,57 @@ def _budgets(text: str) -> tuple[float, ...]:
     return items
 
 
-def _share_config(args: argparse.Namespace):
+def _share_config(args: argparse.Namespace, *, budget: float | None, rank: int | None = None, dense: bool = False):
     from flowgeom.compress.run import ShareConfig
 
-    budget = None if args.rank is not None or args.sweep else (0.2 if args.budget is None else args.budget)
-    return ShareConfig(method=args.method, budget=budget if not args.sweep else args.sweep[0], rank=args.rank,
-                       roles=args.roles, group=args.group, space=args.space, calib=args.calib,
-                       calib_tokens=args.calib_tokens, sequential=args.sequential, refit=args.refit,
-                       dense=args.dense, cache=not args.no_cache, dtype=args.dtype, allocate=args.allocate)
+    return ShareConfig(method=args.method, budget=budget, rank=rank, roles=args.roles, group=args.group,
+                       space=args.space, calib=args.calib, calib_tokens=args.calib_tokens,
+                       sequential=args.sequential, refit=args.refit, dense=dense, cache=not args.no_cache,
+                       dtype=args.dtype, allocate=args.allocate)
 
 
-def _stage_progress(enabled: bool):
-    """A rich progress bar with one task per stage (calibrate, factorise, ...), or (None, None)."""
-    if not enabled or not sys.stderr.isatty():
-        return None, None
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-    bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                   TimeElapsedColumn(), TimeRemainingColumn(), console=Console(stderr=True), transient=True)
-    tasks: dict[str, int] = {}
-
-    def update(stage: str, done: int, total: int) -> None:
-        if stage not in tasks:
-            tasks[stage] = bar.add_task(stage, total=total)
-        bar.update(tasks[stage], completed=done, total=total)
-
-    return bar, update
-
-
-def run_share(args: argparse.Namespace) -> int:
-    from contextlib import nullcontext
-
+def run_compress(args: argparse.Namespace) -> int:
     from flowgeom.compress.run import share_model
 
-    if args.sweep and (args.rank is not None or args.budget is not None or args.dense):
-        raise FlowgeomError("--sweep takes its budgets itself: drop --budget/--rank/--dense (or drop --sweep)")
-    if args.heal is not None and (args.sweep or args.dense):
-        raise FlowgeomError("--heal trains the factors (or the blocks left after dropping): drop --sweep/--dense, "
-                            "or drop --heal")
-    config = _share_config(args)  # every option checked before any work
+    if args.heal is not None and args.dense:
+        raise FlowgeomError("--heal trains the factors (or the blocks left after dropping): drop --dense, or drop "
+                            "--heal")
+    budget = None if args.rank is not None else (0.2 if args.budget is None else args.budget)
+    config = _share_config(args, budget=budget, rank=args.rank, dense=args.dense)  # every option checked first
     healing = None
     if args.heal is not None:
         from flowgeom.cli.compress import heal_config, heal_printer
 
         healing = heal_config(args, args.heal)
-    bar, update = _stage_progress(not args.json)
-    with bar if bar is not None else nullcontext():
-        if args.sweep:
-            from flowgeom.compress.sweep import sweep_budgets
+    with stage_progress(not args.json) as update:
+        result = share_model(args.source, Path(args.out), config, force=args.force, progress=update).report
+        if healing is not None:
+            from flowgeom.compress.heal import heal_folder
 
-            result = sweep_budgets(args.source, Path(args.out), config, args.sweep, force=args.force,
-                                   eval_tokens=args.eval_tokens, progress=update)
-        else:
-            result = share_model(args.source, Path(args.out), config, force=args.force, progress=update).report
-            if healing is not None:
-                from flowgeom.compress.heal import heal_folder
-
-                result["heal"] = heal_folder(Path(args.out), Path(args.out), healing, in_place=True,
-                                             progress=update, on_eval=heal_printer(not args.json))
+            result["heal"] = heal_folder(Path(args.out), Path(args.out), healing, in_place=True,
+                                         progress=update, on_eval=heal_printer(not args.json))
     if args.json:
         print_json(result)
-    elif args.sweep:
-        _print_sweep(result)
     elif "dropped" in result:
         console().print(f"{result['source']} -> {result['out']}: {result['method']} dropped blocks "
                         f"{result['dropped']} ({result['layers']} left): {100 * result['scope_saved_fraction']:.2f}% "
                         f"of the projections saved, asked {100 * result['budget']:g}%; {result['seconds']:.1f} s")
     else:
         _print_share(result)
+    return 0
+
+
+def run_sweep(args: argparse.Namespace) -> int:
+    from flowgeom.compress.sweep import sweep_budgets
+
+    config = _share_config(args, budget=args.budgets[0])  # every option checked before any work
+    with stage_progress(not args.json) as update:
+        result = sweep_budgets(args.source, Path(args.out), config, args.budgets, force=args.force,
+                               eval_tokens=args.eval_tokens, progress=update)
+    if args.json:
+        print_json(result)
+    else:
+        _print_sweep(result)
     return 0
 
 
@@ -164,15 +146,12 @@ def _print_sweep(result: dict) -> None:
 # ---------------------------------------------------------------- evaluate
 
 def run_evaluate(args: argparse.Namespace) -> int:
-    from contextlib import nullcontext
-
     from flowgeom.compress.evaluate import compare_models
     from flowgeom.compress.perplexity import QUICK_TOKENS, EvalConfig
 
     max_tokens = args.tokens or (None if args.full else QUICK_TOKENS)
     config = EvalConfig(context=args.context, stride=args.stride, max_tokens=max_tokens, batch=args.batch)
-    bar, update = _stage_progress(not args.json)
-    with bar if bar is not None else nullcontext():
+    with stage_progress(not args.json) as update:
         result = compare_models([args.source, *(args.compare or [])], text=args.text, config=config,
                                 device=resolve_device(args.device), out=args.out, progress=update)
     if args.json:
@@ -201,19 +180,10 @@ def _print_evaluate(result: dict) -> None:
 
 # ---------------------------------------------------------------- registration
 
-def register_verbs(verbs) -> None:
-    """Add ``share`` and ``evaluate`` to the ``continuity`` area's verb sub-parsers."""
-    p = command(verbs, "share", help="compress a Llama's projections (calibrated low rank, shared bases) into a "
-                                     "factored checkpoint",
-                example="flowgeom continuity share builtin:smollm2 --out runs/w20 --budget 0.2     # whiten\n"
-                        "flowgeom continuity share builtin:smollm2 --out runs/c20 --method continuity --budget 0.2\n"
-                        "flowgeom continuity share builtin:smollm2 --out runs/bs --method basis-sharing --budget 0.2\n"
-                        "flowgeom continuity share model.gguf --out runs/w --method whiten --budget 0.2 --sequential\n"
-                        "flowgeom continuity share builtin:smollm2 --out runs/sw --sweep 0.1,0.2,0.3",
-                func=run_share)
+def add_method_flags(p: argparse.ArgumentParser) -> None:
+    """How to compress: the flags ``run`` and ``sweep`` share (``run`` adds the size, ``--dense`` and ``--heal``)."""
     p.add_argument("source",
                    help="Llama checkpoint: .gguf, builtin:smollm2, or an HF folder (config.json + safetensors)")
-    p.add_argument("--out", required=True, help="new folder for the checkpoint (refused inside the source)")
     p.add_argument("--method", choices=METHODS, default="whiten",
                    help="svd: data-free per layer (the floor); whiten: SVD-LLM per layer (default: the lowest "
                         "perplexity measured on SmolLM2, docs/continuity-sharing.md); basis-sharing: Wang et "
@@ -224,15 +194,6 @@ def register_verbs(verbs) -> None:
                         "low-rank the rest to the budget, n chosen by measured calibration loss")
     p.add_argument("--roles", type=comma_list(ROLES, what="role"), default=ROLES,
                    help="roles to compress, comma-separated (default all seven)")
-    size = p.add_mutually_exclusive_group()
-    size.add_argument("--budget", type=finite_float(0.0, 1.0, lo_open=True, hi_open=True), metavar="FRACTION",
-                      help="fraction of the roles' parameters to save, bases + coefficients counted (default 0.2)")
-    size.add_argument("--rank", type=positive_int, help="instead of --budget: one rank for every basis")
-    p.add_argument("--sweep", type=_budgets, metavar="B1,B2,...",
-                   help="compress at each budget, score held-out perplexity, write the curve (sweep.json, "
-                        "sweep.png) to --out instead of a checkpoint")
-    p.add_argument("--eval-tokens", type=bounded_int(2), default=4096,
-                   help="held-out KJV tokens scored per --sweep point (default 4096)")
     p.add_argument("--group", type=positive_int(maximum=MAX_LAYERS), default=2,
                    help="adjacent layers per shared basis for basis-sharing and share, 1..the model's layers "
                         f"(at most {MAX_LAYERS}; default 2)")
@@ -240,7 +201,8 @@ def register_verbs(verbs) -> None:
                    help="--method share only: seed (q,k,gate,up input; o,down output; v per layer, default), "
                         "opposite, one space for all, or auto (the analyzer's measurement)")
     p.add_argument("--calib", default="kjv", metavar="TEXT",
-                   help="calibration text: kjv (train split of the shipped KJV, default) or a UTF-8 file")
+                   help="calibration text: kjv (train split of the shipped KJV, default), pydoc (the Python "
+                        "reference's prose), a mix such as kjv+pydoc, or a UTF-8 file")
     p.add_argument("--calib-tokens", type=positive_int, default=DEFAULT_CALIB_TOKENS,
                    help=f"calibration tokens (default {DEFAULT_CALIB_TOKENS:,}: more than 10x the widest "
                         "projection input of SmolLM2, so every Gram is full rank and well conditioned)")
@@ -253,12 +215,29 @@ def register_verbs(verbs) -> None:
                         "docs/continuity-sharing.md), even for svd and --rank")
     p.add_argument("--refit", action="store_true",
                    help="re-solve shared coefficients by least squares against each layer's own Gram")
-    p.add_argument("--dense", action="store_true", help="write plain Llama weights instead of bases + coefficients")
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32",
                    help="storage of the factored folder's tensors (norms stay float32); float16 halves the file "
                         "(default float32)")
     p.add_argument("--no-cache", action="store_true", help="measure the calibration Grams again (not from the cache)")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out folder")
+
+
+def register_verbs(verbs) -> None:
+    """Add ``run``, ``sweep`` and ``evaluate`` to the ``compress`` area's verb sub-parsers."""
+    p = command(verbs, "run", help="compress a model's projections (calibrated low rank, shared bases, dropped "
+                                   "blocks) into a new folder, optionally healed",
+                example="flowgeom compress run builtin:smollm2 --out runs/c20 --budget 0.2     # whiten, loss ranks\n"
+                        "flowgeom compress run builtin:smollm2 --out runs/c20 --budget 0.2 --heal 204800\n"
+                        "flowgeom compress run builtin:smollm2 --out runs/bs --method basis-sharing --budget 0.2\n"
+                        "flowgeom compress run model.gguf --out runs/w --method whiten --budget 0.2 --sequential",
+                func=run_compress)
+    add_method_flags(p)
+    p.add_argument("--out", required=True, help="new folder for the checkpoint (refused inside the source)")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--budget", type=finite_float(0.0, 1.0, lo_open=True, hi_open=True), metavar="FRACTION",
+                      help="fraction of the roles' parameters to save, bases + coefficients counted (default 0.2)")
+    size.add_argument("--rank", type=positive_int, help="instead of --budget: one rank for every basis")
+    p.add_argument("--dense", action="store_true", help="write plain Llama weights instead of bases + coefficients")
     p.add_argument("--heal", type=positive_int, metavar="TOKENS",
                    help="then heal the result by distillation on TOKENS healing tokens (flowgeom compress heal; "
                         "its options below)")
@@ -268,9 +247,25 @@ def register_verbs(verbs) -> None:
     add_threads(p)
     add_json(p)
 
-    p = command(verbs, "evaluate", help="perplexity of Llama checkpoints on the held-out KJV text",
-                example="flowgeom continuity evaluate builtin:smollm2 --compare runs/shared     # quick, ~4k tokens\n"
-                        "flowgeom continuity evaluate builtin:smollm2 --full --context 1024 --json",
+    p = command(verbs, "sweep", help="compress at several budgets with one calibration and plot held-out "
+                                     "perplexity against parameters saved",
+                example="flowgeom compress sweep builtin:smollm2 --out runs/sweep --budgets 0.1,0.2,0.3\n"
+                        "flowgeom compress sweep builtin:smollm2 --out runs/drop --method drop-angular "
+                        "--budgets 0.1,0.2",
+                func=run_sweep)
+    add_method_flags(p)
+    p.add_argument("--out", required=True, help="new folder for the curve (sweep.json, sweep.png)")
+    p.add_argument("--budgets", type=_budgets, required=True, metavar="B1,B2,...",
+                   help="fractions of the roles' parameters to save, one point each")
+    p.add_argument("--eval-tokens", type=bounded_int(2), default=4096,
+                   help="held-out KJV tokens scored per point (default 4096)")
+    add_threads(p)
+    add_json(p)
+
+    p = command(verbs, "evaluate", help="perplexity of models on a held-out text (KJV test split by default)",
+                example="flowgeom compress evaluate builtin:smollm2 --compare runs/c20     # quick, ~4k tokens\n"
+                        "flowgeom compress evaluate builtin:smollm2 --compare runs/c20 --text fortunes --full\n"
+                        "flowgeom compress evaluate builtin:smollm2 --full --context 1024 --json",
                 func=run_evaluate)
     p.add_argument("source", help="reference model (its tokenizer is used for all): .gguf, builtin:smollm2, HF folder")
     p.add_argument("--compare", nargs="+", metavar="DIR", help="more models to evaluate on the same tokens")
@@ -282,7 +277,7 @@ def register_verbs(verbs) -> None:
     p.add_argument("--stride", type=positive_int, help="window step <= --context (default: --context, no overlap)")
     p.add_argument("--batch", type=positive_int(maximum=1024), default=1, help="windows per forward call (default 1)")
     p.add_argument("--text", default="kjv", help="kjv (held-out split: last 5%% of verses, default), fortunes "
-                        "(out-of-domain English quotes, 660k tokens) or a text file")
+                        "(out-of-domain English quotes, 660k tokens), pydoc (its test split) or a text file")
     p.add_argument("--out", metavar="FILE", help="also write the JSON result to FILE (atomically)")
     add_device(p)
     add_threads(p, also="on a shared, loaded machine --threads 1 can be many times faster")
