@@ -189,12 +189,15 @@ def test_chunked_step_loss_equals_the_whole_logits_kl_in_value_and_gradient(tiny
     noisy = {k: v + 0.05 * torch.randn(v.shape, generator=torch.Generator().manual_seed(1)) for k, v in state.items()}
     student = llama_from_state(cfg, noisy, dtype=torch.float64)
     ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(2))
+    student.model.norm.weight.requires_grad_(True)  # --norms: the final gain is trained too
+    wrt = (student.model.layers[0].mlp.up_proj.weight, student.model.norm.weight)
     whole = distillation_loss(student(ids), teacher(ids).detach())
-    (g_whole,) = torch.autograd.grad(whole, student.model.layers[0].mlp.up_proj.weight)
+    g_whole = torch.autograd.grad(whole, wrt)
     chunked = distillation_step_loss(student, teacher, ids, checkpointing=True, chunk=7)  # 80 rows: 11 uneven chunks
-    (g_chunked,) = torch.autograd.grad(chunked, student.model.layers[0].mlp.up_proj.weight)
+    g_chunked = torch.autograd.grad(chunked, wrt)
     assert float(chunked) == pytest.approx(float(whole), rel=1e-10)
-    assert torch.allclose(g_chunked, g_whole, rtol=1e-8, atol=1e-12)
+    for a, b in zip(g_chunked, g_whole):
+        assert torch.allclose(a, b, rtol=1e-8, atol=1e-12)
 
 
 def test_divergence_after_a_checkpoint_restores_that_checkpoint(capsys, tiny, tmp_path, monkeypatch):  # noqa: F811

@@ -15,7 +15,7 @@ from flowgeom.cli._common import (
     add_json, add_threads, area, bounded_int, command, console, finite_float, positive_int, print_json,
 )
 
-DEFAULT_TOKENS = 204_800  # flowgeom.compress.heal.HealConfig.tokens (kept here: --help imports no torch)
+DEFAULT_TOKENS = 102_400  # flowgeom.compress.heal.HealConfig.tokens (kept here: --help imports no torch)
 
 
 def heal_config(args: argparse.Namespace, tokens: int):
@@ -67,17 +67,18 @@ def add_heal_flags(p: argparse.ArgumentParser, *, tokens_flag: str | None) -> No
     if tokens_flag:
         p.add_argument(tokens_flag, type=positive_int, default=DEFAULT_TOKENS,
                        help=f"healing tokens in all (default {DEFAULT_TOKENS:,}); at least one sequence")
-    p.add_argument("--lr", type=finite_float(0.0, 1.0, lo_open=True), default=2e-4,
+    p.add_argument("--lr", type=finite_float(0.0, 1.0, lo_open=True), default=1e-4,
                    help="peak learning rate, after a linear warm-up over 5%% of the steps, then cosine to 10%% "
-                        "(default 2e-4)")
+                        "(default 1e-4)")
     p.add_argument("--optimizer", choices=("adamw", "langevin"), default="adamw",
                    help="adamw (default, betas 0.9/0.95) or langevin (flowgeom's SDE with the seed-004 log "
                         "regulariser on every factor)")
     p.add_argument("--temperature", type=finite_float(0.0), default=0.0,
                    help="--optimizer langevin: the SDE's temperature (default 0: regularised gradient descent)")
     p.add_argument("--norms", action="store_true", help="also train the RMSNorm gains")
-    p.add_argument("--heal-text", default="kjv", metavar="TEXT",
-                   help="healing text: kjv (its train split, default) or a UTF-8 file; never the held-out text")
+    p.add_argument("--heal-text", default="kjv+pydoc", metavar="TEXT",
+                   help="healing text: the train split of kjv, pydoc, a mix such as kjv+pydoc (default: the KJV and "
+                        "the Python reference's prose, chunk for chunk), or a UTF-8 file; never the held-out text")
     p.add_argument("--eval-texts", type=lambda s: tuple(x for x in s.split(",") if x), metavar="T1,T2",
                    help="held-out texts scored while healing: kjv (its test split), fortunes (out of domain) or "
                         "files (default kjv,fortunes)")

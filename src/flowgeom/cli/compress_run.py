@@ -200,9 +200,10 @@ def add_method_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--space", choices=("auto", "seed", "opposite", "input", "output"),
                    help="--method share only: seed (q,k,gate,up input; o,down output; v per layer, default), "
                         "opposite, one space for all, or auto (the analyzer's measurement)")
-    p.add_argument("--calib", default="kjv", metavar="TEXT",
-                   help="calibration text: kjv (train split of the shipped KJV, default), pydoc (the Python "
-                        "reference's prose), a mix such as kjv+pydoc, or a UTF-8 file")
+    p.add_argument("--calib", default="kjv+pydoc", metavar="TEXT",
+                   help="calibration text: the train split of kjv (the shipped KJV), pydoc (the Python reference's "
+                        "prose), a mix of them (default kjv+pydoc: measured better out of domain, "
+                        "docs/continuity-sharing.md), or a UTF-8 file")
     p.add_argument("--calib-tokens", type=positive_int, default=DEFAULT_CALIB_TOKENS,
                    help=f"calibration tokens (default {DEFAULT_CALIB_TOKENS:,}: more than 10x the widest "
                         "projection input of SmolLM2, so every Gram is full rank and well conditioned)")
@@ -227,7 +228,7 @@ def register_verbs(verbs) -> None:
     p = command(verbs, "run", help="compress a model's projections (calibrated low rank, shared bases, dropped "
                                    "blocks) into a new folder, optionally healed",
                 example="flowgeom compress run builtin:smollm2 --out runs/c20 --budget 0.2     # whiten, loss ranks\n"
-                        "flowgeom compress run builtin:smollm2 --out runs/c20 --budget 0.2 --heal 204800\n"
+                        "flowgeom compress run builtin:smollm2 --out runs/c20 --budget 0.2 --heal 102400\n"
                         "flowgeom compress run builtin:smollm2 --out runs/bs --method basis-sharing --budget 0.2\n"
                         "flowgeom compress run model.gguf --out runs/w --method whiten --budget 0.2 --sequential",
                 func=run_compress)

@@ -2,8 +2,9 @@
 
 A compressed folder (factored, or a Llama with dropped blocks) is the
 *student*; the dense model it came from (``flowgeom_share.json``'s ``source``,
-or ``teacher``) is the *teacher*. On healing text (the KJV train split by
-default, never the held-out split it is judged on) each step minimises the
+or ``teacher``) is the *teacher*. On healing text (by default the train
+splits of the KJV and of the Python reference's prose, chunk for chunk; never
+a held-out split it is judged on, nor the out-of-domain text) each step minimises the
 per-token distillation loss
 
     KL(p_T || p_S) = sum_v p_T(v) (log p_T(v) - log p_S(v)),   averaged over the batch's tokens,
@@ -26,8 +27,9 @@ Cost and safety:
 
 * memory: the student's blocks are recomputed in the backward pass
   (``torch.utils.checkpoint`` per block); the teacher runs without autograd; both
-  heads and the KL run 256 token rows at a time, recomputed in the backward pass
-  (:func:`distillation_step_loss`), so no (tokens, vocab) tensor is ever whole;
+  heads and the KL run 256 token rows at a time, without autograd: the frozen
+  head's gradient is ``p_S - p_T`` in closed form (:func:`distillation_step_loss`),
+  so no (tokens, vocab) tensor is ever whole and no head runs twice;
   nothing is stored for the corpus;
 * every ``checkpoint_every`` steps the trainable tensors, the optimiser state and
   the history go to ``<work>/checkpoint.safetensors`` (flowgeom's pickle-free
@@ -68,10 +70,10 @@ Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
 @dataclass(frozen=True)
 class HealConfig:
-    tokens: int = 204_800  # healing tokens in all (steps = tokens // (seq_len * batch))
+    tokens: int = 102_400  # healing tokens in all: steps = tokens // (seq_len * batch), 100 by default
     seq_len: int = 256  # tokens per sequence
     batch: int = 4  # sequences per step
-    lr: float = 2e-4  # peak learning rate
+    lr: float = 1e-4  # peak learning rate
     warmup: float = 0.05  # fraction of the steps with a linear warm-up
     min_lr: float = 0.1  # the cosine decay ends at min_lr x lr
     optimizer: str = "adamw"  # adamw | langevin
@@ -79,7 +81,7 @@ class HealConfig:
     temperature: float = 0.0  # langevin: the SDE's temperature s (0: regularised gradient descent)
     reg_lam: float = 1e-6  # langevin: λ of the log regulariser on every trainable matrix
     norms: bool = False  # also train the RMSNorm gains
-    text: str = "kjv"  # healing text: kjv (its train split) or a UTF-8 file
+    text: str = "kjv+pydoc"  # healing text: a shipped text's train split (data/text.py) or a UTF-8 file
     eval_texts: tuple[str, ...] = HELD_OUT  # held-out texts scored every eval_every steps
     eval_every: int = 25  # steps between held-out evaluations (and the last step)
     eval_tokens: int = 2048  # tokens of each held-out text per evaluation
@@ -160,32 +162,47 @@ def hidden_states(model, ids: torch.Tensor, *, checkpointing: bool) -> torch.Ten
     return h
 
 
-def _chunk_kl(h_student: torch.Tensor, h_teacher: torch.Tensor, student, teacher) -> torch.Tensor:
-    """The distillation loss of a chunk of token rows (rows, d) of hidden states: both heads applied here."""
-    logits = student.lm_head(student.model.norm(h_student))  # (rows, vocab)
+def _chunk_kl(h_student: torch.Tensor, h_teacher: torch.Tensor, student, teacher, weight: float
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weight x KL of the chunk, its surrogate)`` for a chunk (rows, d) of final hidden states.
+
+    The heads are frozen, so the loss reaches the student only through its final norm's output ``n``:
+    ``dKL/dlogits = (p_S - p_T) / rows`` in closed form, hence ``dKL/dn = (p_S - p_T) W_head / rows``.
+    Both heads run once, without autograd; the surrogate ``<norm(h), dKL/dn>`` carries that gradient into
+    the norm (and its gain, when trained) and the blocks. Autograd through the heads would run each head
+    twice more (recomputed in the backward pass) and hold a (rows, vocab) graph."""
     with torch.no_grad():
+        n_s = student.model.norm(h_student)  # (rows, d)
+        logits = student.lm_head(n_s)  # (rows, vocab)
         target = teacher.lm_head(teacher.model.norm(h_teacher))  # (rows, vocab)
-    return distillation_loss(logits, target)
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        log_s, log_t = F.log_softmax(logits.to(dtype), dim=-1), F.log_softmax(target.to(dtype), dim=-1)
+        p_t = log_t.exp()
+        kl = (p_t * (log_t - log_s)).sum(-1).mean()
+        scale = weight / h_student.shape[0]
+        g_logits = (log_s.exp() - p_t).mul_(scale).to(logits.dtype)  # (rows, vocab): d(weight x KL)/dlogits
+        g_normed = g_logits @ student.lm_head.weight  # (rows, d)
+    surrogate = (student.model.norm(h_student) * g_normed).sum()
+    return kl * weight, surrogate
 
 
 def distillation_step_loss(student, teacher, ids: torch.Tensor, *, checkpointing: bool,
                            chunk: int = 256) -> torch.Tensor:
     """``KL(p_T || p_S)`` averaged over the tokens of ``ids`` (B, T), with the vocabulary-sized logits made
-    ``chunk`` token rows at a time and recomputed in the backward pass: a (B T, vocab) tensor never exists
-    (at 4 x 256 tokens and SmolLM2's 49,152 tokens one is 200 MB, and a KL's forward and backward hold
-    several)."""
-    from torch.utils.checkpoint import checkpoint
-
+    ``chunk`` token rows at a time (:func:`_chunk_kl`): a (B T, vocab) tensor never exists (at 4 x 256 tokens
+    and SmolLM2's 49,152 tokens one is 200 MB, and a KL's forward and backward hold several). The value is
+    the KL; its gradient, the KL's (the surrogate's value is subtracted out)."""
     h_s = hidden_states(student, ids, checkpointing=checkpointing)
     with torch.no_grad():
         h_t = hidden_states(teacher, ids, checkpointing=False)
     rows = h_s.shape[0] * h_s.shape[1]
     h_s, h_t = h_s.reshape(rows, -1), h_t.reshape(rows, -1)  # (B T, d)
-    total = h_s.new_zeros(())
+    value = h_s.new_zeros(())
+    surrogate = h_s.new_zeros(())
     for a in range(0, rows, chunk):
-        part = checkpoint(_chunk_kl, h_s[a: a + chunk], h_t[a: a + chunk], student, teacher, use_reentrant=False)
-        total = total + part * (min(chunk, rows - a) / rows)
-    return total
+        kl, sur = _chunk_kl(h_s[a: a + chunk], h_t[a: a + chunk], student, teacher, min(chunk, rows - a) / rows)
+        value, surrogate = value + kl, surrogate + sur
+    return value + (surrogate - surrogate.detach())
 
 
 # ---------------------------------------------------------------- the student on disk

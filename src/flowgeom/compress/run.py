@@ -6,7 +6,8 @@ written and the source is never touched on any error):
 
 1. load the Llama (GGUF, ``builtin:smollm2`` or an HF folder), check it
    (finite float weights, shapes as the config says);
-2. calibration ids: ``calib`` (``kjv``: the train split of the shipped KJV;
+2. calibration ids: ``calib`` (a shipped text's train split, default
+   ``kjv+pydoc``, the KJV and the Python reference's prose chunk for chunk;
    else a UTF-8 file) tokenised by the model's tokenizer, the first
    ``calib_tokens`` in ``seq_len`` sequences;
 3. Grams (:mod:`flowgeom.compress.calibrate`; cached on disk), the plan of
@@ -46,7 +47,7 @@ class ShareConfig:
     roles: tuple[str, ...] = C.ROLES
     group: int = 2
     space: str | None = None  # method share only (SPACE_CHOICES)
-    calib: str = "kjv"
+    calib: str = "kjv+pydoc"  # two registers of English (data/text.py), neither the out-of-domain judge
     calib_tokens: int = DEFAULT_TOKENS
     seq_len: int = 512
     sequential: bool = False
