@@ -27,13 +27,13 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 
 RSS = """
-import resource, sys, torch
+import sys, torch
 torch.set_num_threads(1)
 from flowgeom.compress.folder import load_model
 m = load_model(sys.argv[1])
 with torch.inference_mode():
     m(torch.zeros(1, 512, dtype=torch.long))
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+print(next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmHWM:')))  # KiB
 """
 
 
