@@ -82,10 +82,15 @@ def run_sweep(args: argparse.Namespace) -> int:
     with stage_progress(not args.json) as update:
         result = sweep_budgets(args.source, Path(args.out), config, args.budgets, force=args.force,
                                eval_tokens=args.eval_tokens, progress=update)
+    return _show(args, result, _print_sweep)
+
+
+def _show(args: argparse.Namespace, result: dict, table) -> int:
+    """``--json``: the result as JSON on stdout; else its table."""
     if args.json:
         print_json(result)
     else:
-        _print_sweep(result)
+        table(result)
     return 0
 
 
@@ -154,11 +159,7 @@ def run_evaluate(args: argparse.Namespace) -> int:
     with stage_progress(not args.json) as update:
         result = compare_models([args.source, *(args.compare or [])], text=args.text, config=config,
                                 device=resolve_device(args.device), out=args.out, progress=update)
-    if args.json:
-        print_json(result)
-    else:
-        _print_evaluate(result)
-    return 0
+    return _show(args, result, _print_evaluate)
 
 
 def _print_evaluate(result: dict) -> None:

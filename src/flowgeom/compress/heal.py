@@ -171,9 +171,9 @@ def _chunk_kl(h_student: torch.Tensor, h_teacher: torch.Tensor, student, teacher
     Both heads run once, without autograd; the surrogate ``<norm(h), dKL/dn>`` carries that gradient into
     the norm (and its gain, when trained) and the blocks. Autograd through the heads would run each head
     twice more (recomputed in the backward pass) and hold a (rows, vocab) graph."""
+    normed = student.model.norm(h_student)  # (rows, d), in the graph: the surrogate's way into the blocks
     with torch.no_grad():
-        n_s = student.model.norm(h_student)  # (rows, d)
-        logits = student.lm_head(n_s)  # (rows, vocab)
+        logits = student.lm_head(normed)  # (rows, vocab)
         target = teacher.lm_head(teacher.model.norm(h_teacher))  # (rows, vocab)
         dtype = torch.promote_types(logits.dtype, torch.float32)
         log_s, log_t = F.log_softmax(logits.to(dtype), dim=-1), F.log_softmax(target.to(dtype), dim=-1)
@@ -182,7 +182,7 @@ def _chunk_kl(h_student: torch.Tensor, h_teacher: torch.Tensor, student, teacher
         scale = weight / h_student.shape[0]
         g_logits = (log_s.exp() - p_t).mul_(scale).to(logits.dtype)  # (rows, vocab): d(weight x KL)/dlogits
         g_normed = g_logits @ student.lm_head.weight  # (rows, d)
-    surrogate = (student.model.norm(h_student) * g_normed).sum()
+    surrogate = (normed * g_normed).sum()
     return kl * weight, surrogate
 
 
