@@ -14,7 +14,7 @@ from flowgeom.compress import plan as C
 from flowgeom.compress import factorize as fz
 from flowgeom.compress.calibrate import GRAM_KEYS, cached_calibration, calibrate, sequences
 from flowgeom.compress.write import save_llama_folder
-from flowgeom.compress.folder import factored_hf_llama, factored_llama, projection_bytes, read_factored
+from flowgeom.compress.folder import factored_hf, factored_llama, projection_bytes, read_factored
 from flowgeom.errors import FlowgeomError
 from flowgeom.nn.llama import LlamaConfig, llama_from_state, llama_state_dict
 
@@ -134,7 +134,7 @@ def test_every_method_meets_the_budget_and_writes_a_loadable_factored_folder(tin
     with torch.no_grad():
         want = ref(ids)
         assert (factored_llama(out)(ids) - want).abs().max() < 1e-5
-        assert (factored_hf_llama(out)(ids).logits - want).abs().max() < 1e-5
+        assert (factored_hf(out)(ids).logits - want).abs().max() < 1e-5
         exact = llama_from_state(cfg, dense_state(units, tensors, dtype=torch.float64), dtype=torch.float64)(ids)
         # llama_from_state holds float32 weights before casting: the reference is the reconstruction to float32
         assert (factored_llama(out, dtype=torch.float64)(ids) - exact).abs().max() < 1e-6

@@ -349,7 +349,10 @@ def test_share_never_overwrites_its_source(tiny_folder, tmp_path, capsys):
 
 @pytest.mark.parametrize("edit,message", [
     (lambda c: c.pop("num_attention_heads"), "missing the Llama field(s) num_attention_heads"),
-    (lambda c: (c.update(model_type="gpt2"), c.pop("hidden_size")), "model_type 'gpt2'; only llama"),  # named first
+    (lambda c: (c.update(model_type="mamba"), c.pop("hidden_size")), "'mamba' is not a causal LM family flowgeom "
+     "compresses; supported: llama, mistral"),  # named first
+    (lambda c: c.update(model_type="mixtral"), "mixtral is a mixture-of-experts model"),
+    (lambda c: c.update(model_type="gpt2"), "the tensors do not match its config.json"),  # a family, wrong tensors
     (lambda c: c.update(hidden_size="48"), "field hidden_size must be an int, got '48'"),
     (lambda c: c.update(num_attention_heads=0), "num_attention_heads must be a whole number >= 1, got 0"),
     (lambda c: c.update(rms_norm_eps="tiny"), "field rms_norm_eps must be a float"),

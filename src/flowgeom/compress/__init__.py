@@ -51,12 +51,12 @@ def load(folder, *, dtype=None):
     classes (:mod:`flowgeom.compress.auto`)."""
     import torch
 
-    from flowgeom.compress.folder import factored_hf_llama, is_factored
+    from flowgeom.compress.folder import factored_hf, is_factored
 
     register_transformers()
     dtype = torch.float32 if dtype is None else dtype
     if is_factored(folder):
-        return factored_hf_llama(folder, dtype=dtype)
+        return factored_hf(folder, dtype=dtype)
     import transformers
 
     return transformers.AutoModelForCausalLM.from_pretrained(folder, torch_dtype=dtype).eval()

@@ -1,12 +1,14 @@
 """A factored folder in transformers' own Auto classes, and never silently as a dense model.
 
-A factored folder's ``config.json`` is a Llama config whose ``model_type`` is
-``flowgeom_factored`` (the Llama type kept in ``flowgeom_base_model_type``) and
-whose ``architectures`` is ``FlowgeomFactoredForCausalLM``. So:
+A factored folder's ``config.json`` is the dense model's config (any family of
+:mod:`flowgeom.compress.arch`) whose ``model_type`` is ``flowgeom_factored``
+(the family's type kept in ``flowgeom_base_model_type``, its architectures in
+``flowgeom_base_architectures``) and whose ``architectures`` is
+``FlowgeomFactoredForCausalLM``. So:
 
 * without flowgeom, ``AutoModelForCausalLM.from_pretrained(folder)`` raises
   transformers' own unknown-model-type error, instead of building a
-  ``LlamaForCausalLM`` whose compressed projections are random (they are not
+  model whose compressed projections are random (they are not
   in the file under their dense names);
 * after :func:`register_transformers` (called by :func:`flowgeom.compress.load`,
   and when ``flowgeom.compress`` is imported after transformers), the same call
@@ -23,21 +25,26 @@ import sys
 FACTORED_TYPE = "flowgeom_factored"
 FACTORED_ARCH = "FlowgeomFactoredForCausalLM"
 BASE_KEY = "flowgeom_base_model_type"
+BASE_ARCH_KEY = "flowgeom_base_architectures"
 
 
 def factored_config_json(config_json: dict) -> dict:
     """The ``config.json`` object of a factored folder made from the dense model's ``config_json``."""
-    base = config_json.get(BASE_KEY, config_json.get("model_type", "llama"))
-    return {**config_json, "model_type": FACTORED_TYPE, "architectures": [FACTORED_ARCH], BASE_KEY: base}
+    if config_json.get("model_type") == FACTORED_TYPE:
+        return dict(config_json)
+    base = config_json.get("model_type", "llama")
+    arch = config_json.get("architectures") or ["LlamaForCausalLM"]
+    return {**config_json, "model_type": FACTORED_TYPE, "architectures": [FACTORED_ARCH], BASE_KEY: base,
+            BASE_ARCH_KEY: arch}
 
 
 def base_config_json(config_json: dict) -> dict:
     """The dense model's config object back from a factored folder's (older folders are returned unchanged)."""
     if config_json.get("model_type") != FACTORED_TYPE:
         return config_json
-    out = {k: v for k, v in config_json.items() if k != BASE_KEY}
+    out = {k: v for k, v in config_json.items() if k not in (BASE_KEY, BASE_ARCH_KEY)}
     out["model_type"] = config_json.get(BASE_KEY, "llama")
-    out["architectures"] = ["LlamaForCausalLM"]
+    out["architectures"] = config_json.get(BASE_ARCH_KEY) or ["LlamaForCausalLM"]
     return out
 
 
@@ -58,22 +65,24 @@ def register_transformers(*, only_if_imported: bool = False) -> bool:
     if FACTORED_TYPE in CONFIG_MAPPING:
         return True
 
-    class FlowgeomFactoredConfig(transformers.LlamaConfig):
+    class FlowgeomFactoredConfig(transformers.PretrainedConfig):
+        """Holds a factored folder's config.json; the family's own config is built by the loader."""
+
         model_type = FACTORED_TYPE
 
-    class FlowgeomFactoredForCausalLM(transformers.LlamaForCausalLM):
+    class FlowgeomFactoredForCausalLM(transformers.PreTrainedModel):
         config_class = FlowgeomFactoredConfig
 
         @classmethod
         def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-            """flowgeom's loader (:func:`flowgeom.compress.folder.factored_hf_llama`): every tensor checked."""
+            """flowgeom's loader (:func:`flowgeom.compress.folder.factored_hf`): every tensor checked."""
             import torch
 
-            from flowgeom.compress.folder import factored_hf_llama
+            from flowgeom.compress.folder import factored_hf
 
             dtype = kwargs.get("torch_dtype", kwargs.get("dtype"))
             dtype = dtype if isinstance(dtype, torch.dtype) else torch.float32  # None / "auto": as computed
-            return factored_hf_llama(pretrained_model_name_or_path, dtype=dtype)
+            return factored_hf(pretrained_model_name_or_path, dtype=dtype)
 
     FlowgeomFactoredForCausalLM.__name__ = FACTORED_ARCH
     AutoConfig.register(FACTORED_TYPE, FlowgeomFactoredConfig)

@@ -91,9 +91,10 @@ def check_rank(widths: dict[str, int], tokens: int) -> None:
                             f"{DEFAULT_TOKENS:,} is safe); pass --calib-tokens {max(widest, 4 * widest):,} or more")
 
 
-def _gram_hooks(layer: torch.nn.Module, acc: dict[str, torch.Tensor]) -> list:
+def _gram_hooks(layer: torch.nn.Module, paths: dict[str, str], acc: dict[str, torch.Tensor]) -> list:
+    """Pre-hooks on ``layer``'s modules at ``paths`` (Gram key -> module path) adding each input's Gram to ``acc``."""
     handles = []
-    for key, (path, _) in GRAM_KEYS.items():
+    for key, path in paths.items():
         module = layer.get_submodule(path)
 
         def hook(_m, args, key=key):
@@ -112,29 +113,31 @@ def _cos(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def calibrate(model, ids: torch.Tensor, *, groups: Sequence[Sequence[int]] | None = None, batch: int = 4,
               on_group: Callable[[list[int], list[dict[str, torch.Tensor]]], None] | None = None,
               progress: Callable[[int, int], None] | None = None) -> Calibration:
-    """Grams and pruning statistics of a flowgeom :class:`~flowgeom.nn.llama.LlamaForCausalLM` on ``ids``
-    (S, T) sequences, block by block (module docstring). ``groups``: consecutive blocks compressed together
-    (default: one group per block); ``on_group(layers, their grams)`` (sequential variant) may change those
-    blocks' weights before their output is propagated."""
-    from flowgeom.nn.llama import rope_tables
+    """Grams and pruning statistics of a causal LM (flowgeom's Llama or any family of
+    :mod:`flowgeom.compress.arch`) on ``ids`` (S, T) sequences, block by block (module docstring). ``groups``:
+    consecutive blocks compressed together (default: one group per block); ``on_group(layers, their grams)``
+    (sequential variant) may change those blocks' weights before their output is propagated."""
+    from flowgeom.compress.arch import Runner
 
-    cfg = model.config
-    L = cfg.num_hidden_layers
+    runner = Runner(model)
+    paths = runner.arch.input_paths()
+    L = len(runner)
     groups = [[l] for l in range(L)] if groups is None else [list(g) for g in groups]
     if [l for g in groups for l in g] != list(range(L)):
         raise FlowgeomError(f"calibration groups {groups} do not cover the {L} blocks in order")
     S, T = ids.shape
     param = next(model.parameters())
-    h = model.model.embed_tokens(ids.to(param.device))  # (S, T, d)
-    cos, sin = rope_tables(cfg, T, dtype=h.dtype, device=h.device)
+    h = runner.embed(ids.to(param.device))  # (S, T, d)
+    for size in {min(batch, S - i) for i in range(0, S, batch)}:
+        runner.prepare(size, T, h.dtype, h.device)  # before any Gram hook exists
     keep = max(1, min(S, math.ceil(PRUNE_TOKENS / T)))  # sequences whose states feed the pruning statistics
     grams: list[dict[str, torch.Tensor]] = [dict() for _ in range(L)]
     inputs = [h[:keep].reshape(-1, h.shape[-1]).clone()]  # the state entering each block, then the last output
 
-    def run(layer, x: torch.Tensor, acc: dict | None) -> torch.Tensor:
-        handles = [] if acc is None else _gram_hooks(layer, acc)
+    def run(l: int, x: torch.Tensor, acc: dict | None) -> torch.Tensor:
+        handles = [] if acc is None else _gram_hooks(runner.layers[l], paths, acc)
         try:
-            return torch.cat([layer(x[i:i + batch], cos, sin) for i in range(0, S, batch)])
+            return torch.cat([runner.block(l, x[i:i + batch]) for i in range(0, S, batch)])
         finally:
             for handle in handles:
                 handle.remove()
@@ -146,7 +149,7 @@ def calibrate(model, ids: torch.Tensor, *, groups: Sequence[Sequence[int]] | Non
     for group in groups:
         start, states = h, []
         for l in group:
-            h = run(model.model.layers[l], h, grams[l])
+            h = run(l, h, grams[l])
             states.append(flat(h))
             done += 1
             if progress:
@@ -155,7 +158,7 @@ def calibrate(model, ids: torch.Tensor, *, groups: Sequence[Sequence[int]] | Non
             on_group(group, [grams[l] for l in group])
             h, states = start, []
             for l in group:  # the compressed blocks' own outputs feed what follows
-                h = run(model.model.layers[l], h, None)
+                h = run(l, h, None)
                 states.append(flat(h))
         inputs.extend(states)
     bi = [1.0 - float(_cos(inputs[l], inputs[l + 1]).mean()) for l in range(L)]
@@ -228,7 +231,9 @@ def cached_calibration(model, state: dict[str, torch.Tensor], ids: torch.Tensor,
     """``(calibration, from_cache)`` of the non-sequential pass; computed and stored when not cached."""
     key = calibration_key(state, ids)
     path = (cache or cache_dir()) / f"{key[:32]}.safetensors"
-    found = load_calibration(path, key, model.config.num_hidden_layers) if path.is_file() else None
+    from flowgeom.compress.arch import Runner
+
+    found = load_calibration(path, key, len(Runner(model))) if path.is_file() else None
     if found is not None:
         return found, True
     calib = calibrate(model, ids, progress=progress)
@@ -241,19 +246,18 @@ def cached_calibration(model, state: dict[str, torch.Tensor], ids: torch.Tensor,
 
 # ---------------------------------------------------------------- calibration gradients
 
-def logits_of(model, ids: torch.Tensor, *, root: bool = False) -> torch.Tensor:
-    """The Llama's logits (B, T, vocab) block by block, as :func:`calibrate` runs it (RoPE tables for the
-    calibration length, whatever the config's positions). ``root``: the embeddings start an autograd graph,
-    so every projection's output gets a gradient while no weight needs one."""
-    from flowgeom.nn.llama import rope_tables
+def logits_of(model, ids: torch.Tensor, *, root: bool = False, runner=None) -> torch.Tensor:
+    """The model's logits (B, T, vocab) block by block, as :func:`calibrate` runs it. ``root``: the
+    embeddings start an autograd graph, so every projection's output gets a gradient while no weight needs one."""
+    from flowgeom.compress.arch import Runner
 
-    h = model.model.embed_tokens(ids)  # (B, T, d)
+    runner = runner or Runner(model)
+    h = runner.embed(ids)  # (B, T, d)
     if root:
         h = h.detach().requires_grad_()
-    cos, sin = rope_tables(model.config, ids.shape[1], dtype=h.dtype, device=h.device)
-    for layer in model.model.layers:
-        h = layer(h, cos, sin)
-    return model.lm_head(model.model.norm(h))
+    for l in range(len(runner)):
+        h = runner.block(l, h)
+    return runner.head(h)
 
 
 GRAD_TOKENS = 4096  # calibration tokens whose gradients score the components (8 sequences of 512)
@@ -272,8 +276,9 @@ def sensitivity(model, ids: torch.Tensor, probes: dict[tuple[int, str], tuple[to
     Memory: one batch's activations and gradients (the weights need no gradient); ``batch`` sequences at a
     time, SmolLM2 at 512 tokens ~0.8 GB a sequence.
     """
-    from flowgeom.compress.blocks import HF_NAMES
+    from flowgeom.compress.arch import Runner
 
+    runner = Runner(model)
     S, T = ids.shape
     n_targets = S * (T - 1)
     first = {key: torch.zeros(P.shape[1], dtype=torch.float64) for key, (P, _) in probes.items()}
@@ -282,20 +287,24 @@ def sensitivity(model, ids: torch.Tensor, probes: dict[tuple[int, str], tuple[to
 
     def watch(key):
         P, Q = (t.float() for t in probes[key])
+        rows = runner.arch.slots[key[1]].rows  # the role's outputs inside a fused projection
 
         def forward_hook(_m, args, out):
             x = args[0].detach()
 
             def on_grad(g):
                 with torch.no_grad():
+                    g = g if rows is None else g[..., list(rows)]
                     ab = (g.reshape(-1, g.shape[-1]) @ P) * (x.reshape(-1, x.shape[-1]) @ Q.T)  # (B T, r)
                     first[key].sub_(ab.sum(0).double())
                     fisher[key].add_(ab.double().square().sum(0) * (n_targets / 2))
             out.register_hook(on_grad)
         return forward_hook
 
+    for size in {min(batch, S - i) for i in range(0, S, batch)}:
+        runner.prepare(size, T, next(model.parameters()).dtype)  # before the probes' hooks exist
     for (layer, role) in probes:
-        module = model.model.layers[layer].get_submodule(HF_NAMES[role])
+        module = runner.layers[layer].get_submodule(runner.arch.slots[role].path)
         handles.append(module.register_forward_hook(watch((layer, role))))
     flags = [p.requires_grad for p in model.parameters()]
     model.requires_grad_(False)
@@ -303,7 +312,7 @@ def sensitivity(model, ids: torch.Tensor, probes: dict[tuple[int, str], tuple[to
     try:
         for i in range(0, S, batch):
             x = ids[i:i + batch]
-            logits = logits_of(model, x, root=True)  # (B, T, vocab)
+            logits = logits_of(model, x, root=True, runner=runner)  # (B, T, vocab)
             loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), x[:, 1:].reshape(-1),
                                    reduction="sum") / n_targets
             loss.backward()

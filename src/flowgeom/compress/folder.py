@@ -18,7 +18,7 @@ dtype, that no projection is both dense and factored or factored twice, and
 that nothing is left over: a hand-edited or truncated folder is one clear error.
 
 **Loading.** :func:`factored_llama` gives flowgeom's Llama and
-:func:`factored_hf_llama` a ``transformers.LlamaForCausalLM``, each with
+:func:`factored_hf` a ``transformers.LlamaForCausalLM``, each with
 :class:`FactoredLinear` modules in place of the compressed projections; a
 group's basis is one shared parameter. :func:`dense_state` gives plain Llama
 weights (``--dense``).
@@ -49,9 +49,10 @@ class FactoredLinear(nn.Module):
     """``y = x B^T C^T`` (input space: basis B (k, n), coeff C (m, k)) or ``y = x C^T B^T`` (output space:
     basis (m, k), coeff (k, n)); no bias. ``basis`` may be shared with other layers' modules."""
 
-    def __init__(self, basis: nn.Parameter, coeff: nn.Parameter, space: str):
+    def __init__(self, basis: nn.Parameter, coeff: nn.Parameter, space: str, bias: nn.Parameter | None = None):
         super().__init__()
         self.basis, self.coeff, self.space = basis, coeff, space
+        self.bias = bias  # kept dense (Qwen2's q/k/v, GPT-2's projections)
 
     @property
     def in_features(self) -> int:
@@ -63,14 +64,34 @@ class FactoredLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.space == "input":
-            return F.linear(F.linear(x, self.basis), self.coeff)
-        return F.linear(F.linear(x, self.coeff), self.basis)
+            return F.linear(F.linear(x, self.basis), self.coeff, self.bias)
+        return F.linear(F.linear(x, self.coeff), self.basis, self.bias)
 
     def weight_dense(self) -> torch.Tensor:
         return self.coeff @ self.basis if self.space == "input" else self.basis @ self.coeff
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, rank={self.basis.shape[0 if self.space == 'input' else 1]}, space={self.space}"
+        return f"bias={self.bias is not None}, in={self.in_features}, out={self.out_features}, rank={self.basis.shape[0 if self.space == 'input' else 1]}, space={self.space}"
+
+
+class SplitProjection(nn.Module):
+    """A fused projection (Phi-3's qkv_proj, GPT-2's c_attn, NeoX's query_key_value ...) computed role by
+    role: ``parts`` (a :class:`FactoredLinear` or a bias-free ``nn.Linear`` each, in the family's order) are
+    concatenated and put back in the fused output order, then the fused bias is added."""
+
+    def __init__(self, parts: dict[str, nn.Module], rows: Sequence[Sequence[int]], bias: nn.Parameter | None):
+        super().__init__()
+        self.parts = nn.ModuleDict(parts)
+        order = torch.tensor([i for r in rows for i in r])
+        identity = bool(torch.equal(order, torch.arange(len(order))))
+        self.register_buffer("order", None if identity else torch.argsort(order), persistent=False)
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.cat([part(x) for part in self.parts.values()], dim=-1)
+        if self.order is not None:
+            y = y.index_select(-1, self.order)
+        return y if self.bias is None else y + self.bias
 
 
 def basis_name(role: str, layers: Sequence[int]) -> str:
@@ -162,22 +183,34 @@ def _units(folder: Path, meta: object, n_layers: int) -> list[FactoredUnit]:
     return units
 
 
+def folder_config(config_json: dict):
+    """flowgeom's LlamaConfig for a Llama, else the family's transformers config (unsupported: refused)."""
+    from flowgeom.compress.arch import check_family
+    from flowgeom.compress.source import transformers_config
+    from flowgeom.nn.llama import LlamaConfig
+
+    mt = config_json.get("model_type", "llama")
+    if mt == "llama":
+        return LlamaConfig.from_hf(config_json)
+    check_family(mt)
+    return transformers_config(config_json)
+
+
 def read_factored(folder: str | Path) -> tuple[object, list[FactoredUnit], dict[str, torch.Tensor]]:
-    """``(LlamaConfig, units, tensors)`` of a factored folder, every tensor checked against the JSON."""
+    """``(config, units, tensors)`` of a factored folder, every tensor checked against the JSON; the config is
+    flowgeom's LlamaConfig for a Llama, else the family's transformers config."""
     from flowgeom.compress.auto import base_config_json
     from flowgeom.files import read_regular, regular_file
     from flowgeom.io.checkpoints import parse_json
     from flowgeom.io.sources import open_source
-    from flowgeom.nn.llama import LlamaConfig
-
     folder = Path(folder)
     for name in ("config.json", JSON_NAME, "model.safetensors"):
         if not (folder / name).exists():
             raise _bad(folder, f"{name} is missing")
         regular_file(folder / name, name)
     try:  # read_regular: bounded, and a file swapped for a FIFO after the check cannot block
-        cfg = LlamaConfig.from_hf(base_config_json(parse_json(read_regular(folder / "config.json", "config.json",
-                                                                            fix=_FIX), "config.json")))
+        cfg = folder_config(base_config_json(parse_json(read_regular(folder / "config.json", "config.json",
+                                                                     fix=_FIX), "config.json")))
         meta = parse_json(read_regular(folder / JSON_NAME, JSON_NAME, fix=_FIX), JSON_NAME)
     except FlowgeomError as exc:
         raise FlowgeomError(f"{folder}: {exc}") from None
@@ -224,81 +257,146 @@ def dense_state(units: Sequence[FactoredUnit], tensors: Mapping[str, torch.Tenso
     return out
 
 
-def _install(model: nn.Module, prefix: str, units: Sequence[FactoredUnit], tensors: Mapping[str, torch.Tensor],
-             dtype: torch.dtype) -> None:
-    """Replace the factored projections of ``model`` (module paths ``prefix + model.layers...``) by
-    :class:`FactoredLinear` modules sharing one basis parameter per unit."""
+def _install(model: nn.Module, arch, units: Sequence[FactoredUnit], tensors: Mapping[str, torch.Tensor],
+             dtype: torch.dtype) -> tuple[set[str], set[str]]:
+    """Replace every projection module of ``model`` holding a factored role: a :class:`FactoredLinear` (one
+    basis parameter shared by a unit's layers), or a :class:`SplitProjection` for a fused module. Returns
+    ``(tensor names now held by the new modules, module paths replaced)``."""
+    factored = {}
+    used: set[str] = set()
     for u in units:
         basis = nn.Parameter(tensors[u.basis].to(dtype), requires_grad=False)
+        used.add(u.basis)
         for l, c in zip(u.layers, u.coeffs):
-            path = f"{prefix}model.layers.{l}.{HF_NAMES[u.role]}"
-            parent_path, _, attr = path.rpartition(".")
-            coeff = nn.Parameter(tensors[c].to(dtype), requires_grad=False)
-            setattr(model.get_submodule(parent_path), attr, FactoredLinear(basis, coeff, u.space))
+            factored[(l, u.role)] = (basis, c, u.space)
+
+    def part(l: int, role: str, bias: nn.Parameter | None) -> nn.Module:
+        if (l, role) in factored:
+            basis, c, space = factored[(l, role)]
+            used.add(c)
+            return FactoredLinear(basis, nn.Parameter(tensors[c].to(dtype), requires_grad=False), space, bias)
+        w = tensors[weight_key(l, role)]
+        used.add(weight_key(l, role))
+        linear = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
+        linear.weight = nn.Parameter(w.to(dtype), requires_grad=False)
+        return linear
+
+    replaced = set()
+    n_layers = 1 + max((l for l, _ in factored), default=-1)
+    for l in range(n_layers):
+        for path, roles in arch.modules().items():
+            if not any((l, r) in factored for r in roles):
+                continue
+            full = f"{arch.layers}.{l}.{path}"
+            bias = None
+            if f"{full}.bias" in tensors:
+                bias = nn.Parameter(tensors[f"{full}.bias"].to(dtype), requires_grad=False)
+                used.add(f"{full}.bias")
+            module = (part(l, roles[0], bias) if len(roles) == 1 else
+                      SplitProjection({r: part(l, r, None) for r in roles}, [arch.slots[r].rows for r in roles], bias))
+            parent, _, attr = full.rpartition(".")
+            setattr(model.get_submodule(parent), attr, module)
+            replaced.add(full)
+    return used, replaced
+
+
+def _rest(arch, tensors: Mapping[str, torch.Tensor], used: set[str], replaced: set[str], n_layers: int
+          ) -> dict[str, torch.Tensor]:
+    """The tensors not held by replaced modules, role weights of intact modules back in the family's layout."""
+    from flowgeom.compress.arch import fused_weight
+
+    rest = {k: v for k, v in tensors.items() if k not in used}
+    if arch.identity:
+        return rest
+    for l in range(n_layers):
+        for path, roles in arch.modules().items():
+            if f"{arch.layers}.{l}.{path}" in replaced:
+                continue
+            keys = [weight_key(l, r) for r in roles]
+            if all(k in rest for k in keys):
+                rest[f"{arch.layers}.{l}.{path}.weight"] = fused_weight(arch, path, {r: rest.pop(k)
+                                                                                    for r, k in zip(roles, keys)})
+    return rest
+
+
+def _fill(model: nn.Module, folder: Path, rest: Mapping[str, torch.Tensor], replaced: set[str], tied: bool,
+          dtype: torch.dtype) -> None:
+    """Copy ``rest`` into ``model`` strictly: every other parameter must be there, nothing may be left over."""
+    own = model.state_dict()
+    expected = {k for k in own if not any(k.startswith(p + ".") for p in replaced)} - (
+        {"lm_head.weight"} if tied else set())
+    missing, unexpected = sorted(expected - set(rest)), sorted(set(rest) - expected)
+    if missing or unexpected:
+        raise _bad(folder, f"tensors do not match the config: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    with torch.no_grad():
+        for name, t in rest.items():
+            if tuple(t.shape) != tuple(own[name].shape):
+                raise _bad(folder, f"tensor {name} has shape {list(t.shape)}, the config implies "
+                                   f"{list(own[name].shape)}")
+            own[name].copy_(t.to(dtype))
 
 
 def factored_llama(folder: str | Path, *, dtype: torch.dtype = torch.float32):
     """flowgeom's :class:`~flowgeom.nn.llama.LlamaForCausalLM` with factored projections, in eval mode."""
+    from flowgeom.compress.arch import arch_of
+    from flowgeom.compress.source import is_native
     from flowgeom.nn.llama import LlamaForCausalLM
 
     cfg, units, tensors = read_factored(folder)
-    factor_names = {u.basis for u in units} | {c for u in units for c in u.coeffs}
+    if not is_native(cfg):
+        raise FlowgeomError(f"{folder} is a factored {cfg.model_type} model; load it with flowgeom.compress.load "
+                            "(transformers)")
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
-    _install(model, "", units, tensors, dtype)
     model = model.to_empty(device="cpu")
-    _install(model, "", units, tensors, dtype)  # to_empty emptied the factors: fill them again
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    own = model.state_dict()
-    rest = {k: v for k, v in tensors.items() if k not in factor_names}
-    expected = {k for k in own if not k.endswith((".basis", ".coeff"))} - (
-        {"lm_head.weight"} if cfg.tie_word_embeddings else set())
-    missing, unexpected = sorted(expected - set(rest)), sorted(set(rest) - expected)
-    if missing or unexpected:
-        raise _bad(Path(folder), f"tensors do not match the config: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    with torch.no_grad():
-        for name, t in rest.items():
-            if tuple(t.shape) != tuple(own[name].shape):
-                raise _bad(Path(folder), f"tensor {name} has shape {list(t.shape)}, the config implies "
-                                         f"{list(own[name].shape)}")
-            own[name].copy_(t)
+    arch = arch_of(cfg)
+    used, replaced = _install(model, arch, units, tensors, dtype)
+    _fill(model, Path(folder), _rest(arch, tensors, used, replaced, cfg.num_hidden_layers), replaced,
+          cfg.tie_word_embeddings, dtype)
     return model.to(dtype).eval()
 
 
-def factored_hf_llama(folder: str | Path, *, dtype: torch.dtype = torch.float32):
-    """A ``transformers.LlamaForCausalLM`` (the ``hf`` extra) with factored projections, in eval mode."""
+def factored_hf(folder: str | Path, *, dtype: torch.dtype = torch.float32):
+    """The family's ``transformers`` causal LM (the ``hf`` extra) with factored projections, in eval mode."""
     try:
         import transformers
     except ImportError:
         raise FlowgeomError("loading into transformers needs the hf extra: pip install 'flowgeom[hf]'") from None
+    from flowgeom.compress.arch import arch_of
+    from flowgeom.compress.source import is_native, transformers_config
+
     cfg, units, tensors = read_factored(folder)
-    hf_cfg = transformers.LlamaConfig(**{k: v for k, v in cfg.to_hf().items() if k not in ("architectures",)})
-    model = transformers.LlamaForCausalLM(hf_cfg)
-    _install(model, "", units, tensors, dtype)
-    factor_names = {u.basis for u in units} | {c for u in units for c in u.coeffs}
-    rest = {k: v.to(dtype) for k, v in tensors.items() if k not in factor_names}
-    missing, unexpected = model.load_state_dict(rest, strict=False)
-    missing = [k for k in missing if not k.endswith((".basis", ".coeff"))
-               and not (k == "lm_head.weight" and cfg.tie_word_embeddings)]
-    if missing or unexpected:
-        raise _bad(Path(folder), f"tensors do not match the config: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    if is_native(cfg):
+        cfg = transformers_config({**cfg.to_hf(), "model_type": "llama"})
+    with torch.random.fork_rng(devices=[]):  # the random init is overwritten; leave the global RNG alone
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    arch = arch_of(cfg)
+    used, replaced = _install(model, arch, units, tensors, dtype)
+    _fill(model, Path(folder), _rest(arch, tensors, used, replaced, cfg.num_hidden_layers), replaced,
+          cfg.tie_word_embeddings, dtype)
     if cfg.tie_word_embeddings:
         model.tie_weights()
     return model.to(dtype).eval()
 
 
 def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32):
-    """flowgeom's Llama from a factored folder (:func:`factored_llama`) or any source ``load_llama`` reads."""
-    from flowgeom.compress.auto import FACTORED_TYPE
-    from flowgeom.nn.llama import load_llama
+    """The runnable model of a factored folder (flowgeom's Llama for a Llama, else the family's transformers
+    model with factored modules) or of any dense source :func:`flowgeom.compress.source.load_dense` reads."""
+    from flowgeom.compress.auto import FACTORED_TYPE, base_config_json
+    from flowgeom.compress.source import build_model, load_dense
 
     if is_factored(path):
-        return factored_llama(path, dtype=dtype)
+        from flowgeom.files import read_json_object
+
+        base = base_config_json(read_json_object(Path(path) / "config.json", fix=_FIX)).get("model_type", "llama")
+        return (factored_llama if base == "llama" else factored_hf)(path, dtype=dtype)
     config = Path(path) / "config.json"
     if Path(path).is_dir() and config.is_file() and FACTORED_TYPE.encode() in config.read_bytes()[:1 << 20]:
         raise _bad(Path(path), f"config.json says {FACTORED_TYPE} but {JSON_NAME} is missing")
-    return load_llama(path, dtype=dtype)
+    cfg, state = load_dense(path)
+    return build_model(cfg, state, dtype=dtype)
 
 
 def projection_bytes(folder: str | Path) -> tuple[int, int]:

@@ -82,6 +82,8 @@ def _vocab_rows(model: torch.nn.Module) -> int | None:
 def perplexity(model: torch.nn.Module, ids: torch.Tensor, config: EvalConfig = EvalConfig(), *,
                progress: Callable[[int, int], None] | None = None) -> dict:
     """``{"ppl", "nll", "targets", "windows", "seconds"}`` of ``model`` (ids (B, T) -> logits) on ``ids`` (N,)."""
+    from flowgeom.compress.arch import logits as logits_of
+
     ids = ids.long()
     if config.max_tokens is not None:
         ids = ids[: config.max_tokens]
@@ -97,10 +99,10 @@ def perplexity(model: torch.nn.Module, ids: torch.Tensor, config: EvalConfig = E
         width = max(e - b for b, e, _ in chunk)
         if all(e - b == width for b, e, _ in chunk):
             x = torch.stack([ids[b:e] for b, e, _ in chunk])  # (B, T)
-            logits = model(x)  # (B, T, vocab)
+            logits = logits_of(model, x)  # (B, T, vocab)
             rows = [logits[i] for i in range(len(chunk))]
         else:  # a short last window: its own call
-            rows = [model(ids[b:e][None])[0] for b, e, _ in chunk]
+            rows = [logits_of(model, ids[b:e][None])[0] for b, e, _ in chunk]
         for row, (b, e, first) in zip(rows, chunk):
             pred = row[first - 1 - b:e - 1 - b]  # (targets, vocab): position j-1 predicts t_j
             total += float(F.cross_entropy(pred, ids[first:e], reduction="sum"))

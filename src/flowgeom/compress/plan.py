@@ -329,12 +329,14 @@ def calibration_groups(plan_: Plan, n_layers: int) -> list[list[int]]:
 def compress_sequential(plan_: Plan, model, ids: torch.Tensor, *, refit: bool = False, batch: int = 4,
                         progress: Callable[[int, int], None] | None = None) -> tuple[Compressed, Calibration]:
     """Factorise ``plan_`` group by group, each group's Grams measured on the outputs of the already-compressed
-    blocks before it (SVD-LLM's and Basis Sharing's sequential calibration). ``model`` (a flowgeom Llama) is
-    modified in place: its projections become the dense reconstructions."""
+    blocks before it (SVD-LLM's and Basis Sharing's sequential calibration). ``model`` (any family of
+    :mod:`flowgeom.compress.arch`) is modified in place: its projections become the dense reconstructions."""
+    from flowgeom.compress.arch import Runner, role_state, set_role_weight
     from flowgeom.compress.calibrate import calibrate
 
-    n_layers = model.config.num_hidden_layers
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    arch = Runner(model).arch
+    n_layers = len(model.get_submodule(arch.layers))
+    state = role_state(arch, {k: v.detach().clone() for k, v in model.state_dict().items()}, n_layers)
     by_first: dict[int, list[int]] = {}
     for i, u in enumerate(plan_.units):
         by_first.setdefault(min(u.layers), []).append(i)
@@ -351,9 +353,8 @@ def compress_sequential(plan_: Plan, model, ids: torch.Tensor, *, refit: bool = 
                 if (note := _shift_note(unit, f)) is not None:
                     notes.append(note)
                 factors[i] = _as_float(f)
-                with torch.no_grad():
-                    for x, w in zip(unit.layers, factors[i].dense()):
-                        model.get_parameter(weight_key(x, unit.role)).copy_(w)
+                for x, w in zip(unit.layers, factors[i].dense()):
+                    set_role_weight(model, arch, x, unit.role, w)
 
     calib = calibrate(model, ids, groups=calibration_groups(plan_, n_layers), batch=batch, on_group=on_group,
                       progress=progress)

@@ -148,6 +148,38 @@ def calibration_ids(source: Path, calib: str, tokens: int, seq_len: int, tokeniz
     return sequences(ids, tokens, seq_len)
 
 
+def input_widths(state: Mapping[str, torch.Tensor]) -> dict[str, int]:
+    """Gram key -> width of that input in block 0 (the widest decides how many calibration tokens are needed)."""
+    from flowgeom.compress.arch import INPUT_GROUPS
+
+    out = {}
+    for key, roles in INPUT_GROUPS.items():
+        found = [state[C.weight_key(0, r)] for r in roles if C.weight_key(0, r) in state]
+        if found:
+            out[key] = int(found[0].shape[1])
+    return out
+
+
+def family_roles(config: ShareConfig, cfg) -> ShareConfig:
+    """``config`` with the default roles narrowed to those the family has (GPT-2, NeoX, Falcon: no gate);
+    roles asked for by name are kept, so a missing one is refused by the plan with its name."""
+    from dataclasses import replace as replace_
+
+    from flowgeom.compress.arch import arch_of
+
+    present = arch_of(cfg).roles
+    if config.roles == C.ROLES and present != C.ROLES:
+        return replace_(config, roles=tuple(r for r in C.ROLES if r in present))
+    return config
+
+
+def family_tensors(cfg, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Role weights back in the family's own names and layouts (a plain folder any tool loads)."""
+    from flowgeom.compress.arch import arch_of, family_state
+
+    return family_state(arch_of(cfg), state, cfg.num_hidden_layers)
+
+
 def check_weights(state: Mapping[str, torch.Tensor], roles: Sequence[str], n_layers: int) -> None:
     """Refuse NaN or Inf in the projections to compress (integer codes were refused when loading:
     :func:`flowgeom.nn.llama.refuse_integer_codes`)."""
@@ -174,7 +206,7 @@ def compress_model(config: ShareConfig, cfg, state, source: Path, tokenizer, *, 
                    calib_cache: dict | None = None) -> tuple[C.Compressed, dict[str, Any]]:
     """Plan + factors of one budget (the calibration shared through ``calib_cache`` across a sweep)."""
     from flowgeom.compress.calibrate import cached_calibration, calibrate, check_rank
-    from flowgeom.nn.llama import llama_from_state
+    from flowgeom.compress.source import build_model
 
     L = cfg.num_hidden_layers
     if config.method in ("basis-sharing", "share"):
@@ -185,11 +217,10 @@ def compress_model(config: ShareConfig, cfg, state, source: Path, tokenizer, *, 
     if config.calibrated:
         if "ids" not in cache:
             cache["ids"] = calibration_ids(source, config.calib, config.calib_tokens, config.seq_len, tokenizer)
-            check_rank({"attn": cfg.hidden_size, "o": cfg.num_attention_heads * cfg.head_dim,
-                        "mlp": cfg.hidden_size, "down": cfg.intermediate_size}, config.calib_tokens)
+            check_rank(input_widths(state), config.calib_tokens)
         ids = cache["ids"]
         if "calib" not in cache:
-            model = llama_from_state(cfg, state)
+            model = build_model(cfg, state)
             step = (lambda d, t: progress("calibrate", d, t)) if progress else None
             t0 = time.perf_counter()
             if config.cache:
@@ -223,7 +254,7 @@ def compress_model(config: ShareConfig, cfg, state, source: Path, tokenizer, *, 
     facts["notes"] += list(p.notes)
     step = (lambda d, t: progress("factorise", d, t)) if progress else None
     if config.sequential:
-        model = llama_from_state(cfg, state)
+        model = build_model(cfg, state)
         compressed, _ = C.compress_sequential(p, model, cache["ids"], refit=config.refit, progress=step)
         del model
     else:
@@ -236,11 +267,11 @@ def compress_model(config: ShareConfig, cfg, state, source: Path, tokenizer, *, 
 def _loss_ranks(config: ShareConfig, cfg, state, p: C.Plan, calib, cache: dict, progress: Progress | None):
     """``p`` with ranks allocated by the calibration loss (:func:`flowgeom.compress.plan.allocate_by_loss`)."""
     from flowgeom.compress.calibrate import GRAD_TOKENS
-    from flowgeom.nn.llama import llama_from_state
+    from flowgeom.compress.source import build_model
 
     ids = cache["ids"][: max(1, GRAD_TOKENS // config.seq_len)]
     step = (lambda d, t: progress("gradients", d, t)) if progress else None
-    return C.allocate_by_loss(p, state, calib, lambda: llama_from_state(cfg, state), ids, progress=step,
+    return C.allocate_by_loss(p, state, calib, lambda: build_model(cfg, state), ids, progress=step,
                               cache=cache.setdefault("sensitivity", {}))
 
 
@@ -297,15 +328,18 @@ def share_model(source: str, out: Path, config: ShareConfig, *, force: bool = Fa
     """Compress ``source`` into the folder ``out`` (module docstring); returns the factors and the report."""
     from flowgeom.compress.write import check_out_folder, save_llama_folder, write_folder
     from flowgeom.compress.folder import save_factored
-    from flowgeom.nn.llama import check_state, llama_state_dict
+    from flowgeom.compress.source import family_json, is_native, load_dense
 
     t0 = time.perf_counter()
     path = source_path(source)
     check_out_folder(path, out, force=force)  # before any work
-    cfg, state = llama_state_dict(path)
-    check_state(cfg, state)  # every layer, before any work: a disagreeing config.json is refused here
+    cfg, state = load_dense(path)
+    config = family_roles(config, cfg)
     check_weights(state, config.roles, cfg.num_hidden_layers)
     tokenizer = model_tokenizer(path)
+    if not is_native(cfg) and config.method in DROP_METHODS + (MIXED,):
+        raise FlowgeomError(f"--method {config.method} drops Llama blocks; for a {cfg.model_type} model use a "
+                            "low-rank method (whiten, basis-sharing, share, continuity or svd)")
     if config.method in DROP_METHODS:
         return _share_by_dropping(source, out, config, cfg, state, path, tokenizer, force=force, progress=progress,
                                   t0=t0)
@@ -323,9 +357,10 @@ def share_model(source: str, out: Path, config: ShareConfig, *, force: bool = Fa
 
     def fill(tmp: Path) -> None:
         if config.dense:
-            save_llama_folder(tmp, cfg.to_hf(), new_state, tokenizer=tokenizer, report=report)
+            save_llama_folder(tmp, family_json(cfg), family_tensors(cfg, new_state), tokenizer=tokenizer,
+                              report=report)
         else:
-            save_factored(tmp, cfg.to_hf(), compressed, state, tokenizer=tokenizer, report=report,
+            save_factored(tmp, family_json(cfg), compressed, state, tokenizer=tokenizer, report=report,
                           dtype=STORAGE[config.dtype])
 
     write_folder(out, fill, force=force)
