@@ -191,3 +191,26 @@ def test_without_flowgeom_a_factored_family_folder_is_refused(compressed):
     code = f"import transformers\ntransformers.AutoModelForCausalLM.from_pretrained({str(folder)!r})"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert run.returncode != 0 and "flowgeom_factored" in run.stderr
+
+
+def test_heal_trains_a_split_fused_projection_and_writes_a_loadable_folder(compressed, tmp_path):
+    """Healing a Phi-3 folder trains the factors inside its split qkv/gate_up modules (by their folder names)
+    and writes a folder whose factored model still equals its own dense reconstruction."""
+    from flowgeom.compress import load
+    from flowgeom.compress.folder import dense_state, read_factored
+    from flowgeom.compress.heal import HealConfig, heal_folder
+    from flowgeom.compress.source import build_model
+
+    _, folder, _ = compressed["phi3"]
+    heal_folder(folder, tmp_path / "h", HealConfig(tokens=4 * 64 * 2, seq_len=64, batch=2, lr=1e-3, eval_every=4,
+                                                   eval_tokens=256, eval_context=64, checkpoint_every=4))
+    _, units, before = read_factored(folder)
+    cfg, units_after, after = read_factored(tmp_path / "h")
+    assert units_after == units
+    fused = [c for u in units if u.role in ("q", "gate") for c in u.coeffs]
+    assert fused and all(not torch.equal(before[c], after[c]) for c in fused)
+    ids = _ids(7)
+    with torch.no_grad():
+        torch.testing.assert_close(logits(load(tmp_path / "h"), ids),
+                                   logits(build_model(cfg, dense_state(units_after, after)), ids),
+                                   rtol=1e-5, atol=1e-5)

@@ -257,6 +257,7 @@ class Runner:
         self.layers = model.get_submodule(self.arch.layers)
         self.norm = model.get_submodule(self.arch.final_norm)
         self.lm_head = model.lm_head if self.native else model.get_output_embeddings()
+        self.embedding = model.model.embed_tokens if self.native else model.get_input_embeddings()
         self._inputs: dict[tuple, list[dict]] = {}
 
     def __len__(self) -> int:
@@ -318,6 +319,15 @@ class Runner:
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Logits of the last hidden states (final norm, then the output embedding)."""
         return self.lm_head(self.norm(h))
+
+
+def runner(model: nn.Module) -> Runner:
+    """The :class:`Runner` of ``model``, kept on it: its captured block arguments serve every later step."""
+    found = model.__dict__.get("_flowgeom_runner")
+    if found is None:
+        found = Runner(model)
+        model.__dict__["_flowgeom_runner"] = found  # not an nn.Module attribute: no state_dict entry
+    return found
 
 
 def logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:

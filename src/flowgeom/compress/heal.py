@@ -149,16 +149,17 @@ def batch_starts(step: int, n_tokens: int, config: HealConfig) -> torch.Tensor:
 
 
 def hidden_states(model, ids: torch.Tensor, *, checkpointing: bool) -> torch.Tensor:
-    """flowgeom Llama's last hidden states (B, T, d), before the final norm; each block recomputed in the backward
-    pass when ``checkpointing``."""
+    """The model's last hidden states (B, T, d), before the final norm; each block recomputed in the backward
+    pass when ``checkpointing``. Any family (:func:`flowgeom.compress.arch.runner`)."""
     from torch.utils.checkpoint import checkpoint
 
-    from flowgeom.nn.llama import rope_tables
+    from flowgeom.compress.arch import runner
 
-    h = model.model.embed_tokens(ids)  # (B, T, d)
-    cos, sin = rope_tables(model.config, ids.shape[1], dtype=h.dtype, device=h.device)  # (T, hd)
-    for layer in model.model.layers:
-        h = checkpoint(layer, h, cos, sin, use_reentrant=False) if checkpointing else layer(h, cos, sin)
+    run = runner(model)
+    h = run.embed(ids)  # (B, T, d)
+    run.prepare(ids.shape[0], ids.shape[1], h.dtype, h.device)
+    for l in range(len(run)):
+        h = checkpoint(run.block, l, h, use_reentrant=False) if checkpointing else run.block(l, h)
     return h
 
 
@@ -171,17 +172,20 @@ def _chunk_kl(h_student: torch.Tensor, h_teacher: torch.Tensor, student, teacher
     Both heads run once, without autograd; the surrogate ``<norm(h), dKL/dn>`` carries that gradient into
     the norm (and its gain, when trained) and the blocks. Autograd through the heads would run each head
     twice more (recomputed in the backward pass) and hold a (rows, vocab) graph."""
-    normed = student.model.norm(h_student)  # (rows, d), in the graph: the surrogate's way into the blocks
+    from flowgeom.compress.arch import runner
+
+    s_run, t_run = runner(student), runner(teacher)
+    normed = s_run.norm(h_student)  # (rows, d), in the graph: the surrogate's way into the blocks
     with torch.no_grad():
-        logits = student.lm_head(normed)  # (rows, vocab)
-        target = teacher.lm_head(teacher.model.norm(h_teacher))  # (rows, vocab)
+        logits = s_run.lm_head(normed)  # (rows, vocab)
+        target = t_run.head(h_teacher)  # (rows, vocab)
         dtype = torch.promote_types(logits.dtype, torch.float32)
         log_s, log_t = F.log_softmax(logits.to(dtype), dim=-1), F.log_softmax(target.to(dtype), dim=-1)
         p_t = log_t.exp()
         kl = (p_t * (log_t - log_s)).sum(-1).mean()
         scale = weight / h_student.shape[0]
         g_logits = (log_s.exp() - p_t).mul_(scale).to(logits.dtype)  # (rows, vocab): d(weight x KL)/dlogits
-        g_normed = g_logits @ student.lm_head.weight  # (rows, d)
+        g_normed = g_logits @ s_run.lm_head.weight  # (rows, d)
     surrogate = (normed * g_normed).sum()
     return kl * weight, surrogate
 
@@ -234,8 +238,8 @@ def _share_report(folder: Path) -> dict[str, Any]:
 
 def load_student(folder: str | Path, *, norms: bool = False) -> Student:
     """The compressed model in ``folder`` with its trainable tensors (module docstring)."""
-    from flowgeom.compress.folder import JSON_NAME, factored_llama, is_factored, read_factored
-    from flowgeom.compress.plan import HF_NAMES
+    from flowgeom.compress.arch import arch_of
+    from flowgeom.compress.folder import JSON_NAME, is_factored, load_model, read_factored
     from flowgeom.files import read_json_object
     from flowgeom.io.sources import open_source
     from flowgeom.nn.llama import load_llama
@@ -247,11 +251,13 @@ def load_student(folder: str | Path, *, norms: bool = False) -> Student:
         _, units, tensors = read_factored(folder)
         dtypes = {name: t.dtype for name, t in tensors.items()}
         del tensors  # the model holds its own; the rest is read back when the healed folder is written
-        model = factored_llama(folder)
+        model = load_model(folder)
+        arch = arch_of(model.config)
         trainable: dict[str, torch.nn.Parameter] = {}
         for u in units:
             for layer, coeff in zip(u.layers, u.coeffs):
-                module = model.get_submodule(f"model.layers.{layer}.{HF_NAMES[u.role]}")
+                module = model.get_submodule(f"{arch.layers}.{layer}.{arch.slots[u.role].path}")
+                module = module.parts[u.role] if hasattr(module, "parts") else module  # a split fused projection
                 trainable[u.basis] = module.basis
                 trainable[coeff] = module.coeff
         kind = "factored"
@@ -313,17 +319,18 @@ def share_frozen(student: torch.nn.Module, teacher: torch.nn.Module) -> int:
     """Point the student's untrained token embedding and head at the teacher's when they are equal (they are
     copies of the same tensor: a factored folder keeps them as they were): one copy in memory, not two.
     Returns the numbers saved."""
+    from flowgeom.compress.arch import runner
+
     saved = 0
-    pairs = [("model.embed_tokens", "weight"), ("lm_head", "weight")]
-    for path, attr in pairs:
-        mine, theirs = student.get_submodule(path), teacher.get_submodule(path)
-        a, b = getattr(mine, attr), getattr(theirs, attr)
+    mine_run, their_run = runner(student), runner(teacher)
+    for mine, theirs in ((mine_run.embedding, their_run.embedding), (mine_run.lm_head, their_run.lm_head)):
+        a, b = mine.weight, theirs.weight
         if a is b or a.requires_grad or a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a, b):
             continue
-        setattr(mine, attr, b)
+        mine.weight = b
         saved += a.numel()
     if student.config.tie_word_embeddings:
-        student.lm_head.weight = student.model.embed_tokens.weight
+        mine_run.lm_head.weight = mine_run.embedding.weight
     return saved
 
 
