@@ -236,6 +236,45 @@ def test_loss_allocation_through_the_cli_meets_the_budget_and_loads(tiny, tmp_pa
         assert math.isfinite(float(factored_llama(out)(torch.zeros(1, 8, dtype=torch.long)).sum()))
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_a_rank_cap_is_respected_and_the_capped_optimum_is_found(seed):
+    """With caps, every rank stays within its cap (or the unit stays dense), the budget is met, and the
+    selection is near the brute-force optimum over the capped choices."""
+    gen = torch.Generator().manual_seed(seed)
+    cands = []
+    for m, n in [(6, 10), (8, 8), (4, 12), (10, 6)]:
+        cost = (torch.rand(min(m, n), generator=gen).sort(descending=True).values ** 2).double()
+        cands.append(A.Candidate(cost, m + n, m * n, C.speed_cap((m, n), 0.6)))
+    assert all(c.max_rank * c.per_rank <= 0.6 * c.dense for c in cands)
+    target = int(0.4 * sum(c.dense for c in cands))
+    ks = A.select(cands, target)
+    assert all(k is None or k <= c.cap for c, k in zip(cands, ks))
+    assert sum(c.savings(k) for c, k in zip(cands, ks)) >= target
+    best, _ = _brute(cands, target)
+    assert A.predicted(cands, ks) <= best * 1.05 + 1e-12
+
+
+def test_speed_cap_is_the_flop_fraction_of_the_two_products():
+    for (m, n), f in [((576, 576), 0.7), ((1536, 576), 0.5), ((192, 576), 1.0)]:
+        k = C.speed_cap((m, n), f)
+        assert k * (m + n) <= f * m * n < (k + 1) * (m + n)
+
+
+def test_max_flops_keeps_slow_projections_dense_through_the_cli(tiny, tmp_path, capsys):
+    out = tmp_path / "capped"
+    code, stdout, err = _share(capsys, tiny, out, "--budget", "0.3", "--max-flops", "0.6", "--json")
+    assert code == 0, err
+    report = json.loads(stdout)
+    assert report["max_flops"] == 0.6 and 0.3 <= report["scope_saved_fraction"]
+    from flowgeom.compress.folder import read_factored
+
+    _, units, _ = read_factored(out)
+    assert units and all(u.rank * sum(u.shape) <= 0.6 * u.shape[0] * u.shape[1] for u in units)
+    code, _, err = _share(capsys, tiny, tmp_path / "y", "--allocate", "even", "--max-flops", "0.6")
+    assert code == 2 and "--max-flops caps the ranks the loss allocation chooses" in err
+    assert not (tmp_path / "y").exists()
+
+
 def test_allocate_loss_without_calibration_is_one_line_exit_2(tiny, tmp_path, capsys):
     code, _, err = _share(capsys, tiny, tmp_path / "x", "--method", "svd", "--allocate", "loss")
     assert code == 2 and "--allocate loss needs calibration" in err and len(err.strip().splitlines()) == 1

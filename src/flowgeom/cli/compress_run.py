@@ -41,7 +41,7 @@ def _share_config(args: argparse.Namespace, *, budget: float | None, rank: int |
     return ShareConfig(method=args.method, budget=budget, rank=rank, roles=args.roles, group=args.group,
                        space=args.space, calib=args.calib, calib_tokens=args.calib_tokens,
                        sequential=args.sequential, refit=args.refit, dense=dense, cache=not args.no_cache,
-                       dtype=args.dtype, allocate=args.allocate)
+                       dtype=args.dtype, allocate=args.allocate, max_flops=args.max_flops)
 
 
 def run_compress(args: argparse.Namespace) -> int:
@@ -52,13 +52,19 @@ def run_compress(args: argparse.Namespace) -> int:
                             "--heal")
     budget = None if args.rank is not None else (0.2 if args.budget is None else args.budget)
     config = _share_config(args, budget=budget, rank=args.rank, dense=args.dense)  # every option checked first
+    from flowgeom.compress.stream import stream_by_default, stream_share  # --stream: one block in memory at a time
+
+    stream = stream_by_default(args.source, asked=args.stream, heal=args.heal is not None)
     healing = None
     if args.heal is not None:
         from flowgeom.cli.compress import heal_config, heal_printer
 
         healing = heal_config(args, args.heal)
     with stage_progress(not args.json) as update:
-        result = share_model(args.source, Path(args.out), config, force=args.force, progress=update).report
+        if stream:
+            result = stream_share(args.source, Path(args.out), config, force=args.force, progress=update)
+        else:
+            result = share_model(args.source, Path(args.out), config, force=args.force, progress=update).report
         if healing is not None:
             from flowgeom.compress.heal import heal_folder
 
@@ -184,7 +190,8 @@ def _print_evaluate(result: dict) -> None:
 def add_method_flags(p: argparse.ArgumentParser) -> None:
     """How to compress: the flags ``run`` and ``sweep`` share (``run`` adds the size, ``--dense`` and ``--heal``)."""
     p.add_argument("source",
-                   help="Llama checkpoint: .gguf, builtin:smollm2, or an HF folder (config.json + safetensors)")
+                   help="causal LM: .gguf, builtin:smollm2, or an HF folder (config.json + safetensors) of Llama, "
+                        "Mistral, Qwen2, Qwen3, Gemma, Phi-3, GPT-2, GPT-NeoX or Falcon")
     p.add_argument("--method", choices=METHODS, default="whiten",
                    help="svd: data-free per layer (the floor); whiten: SVD-LLM per layer (default: the lowest "
                         "perplexity measured on SmolLM2, docs/continuity-sharing.md); basis-sharing: Wang et "
@@ -215,6 +222,9 @@ def add_method_flags(p: argparse.ArgumentParser) -> None:
                         "the calibration loss it costs, selected model-wide at the budget; a projection stays dense "
                         "where factoring saves nothing). Default: loss for calibrated methods (measured better, "
                         "docs/continuity-sharing.md), even for svd and --rank")
+    p.add_argument("--max-flops", type=finite_float(0.0, 1.0, lo_open=True), default=1.0, metavar="FRACTION",
+                   help="with loss allocation: keep dense every projection whose factors would run more than "
+                        "FRACTION of its dense flops (two thin GEMMs run below one square GEMM's rate); default 1.0")
     p.add_argument("--refit", action="store_true",
                    help="re-solve shared coefficients by least squares against each layer's own Gram")
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32",
@@ -239,7 +249,11 @@ def register_verbs(verbs) -> None:
     size.add_argument("--budget", type=finite_float(0.0, 1.0, lo_open=True, hi_open=True), metavar="FRACTION",
                       help="fraction of the roles' parameters to save, bases + coefficients counted (default 0.2)")
     size.add_argument("--rank", type=positive_int, help="instead of --budget: one rank for every basis")
-    p.add_argument("--dense", action="store_true", help="write plain Llama weights instead of bases + coefficients")
+    p.add_argument("--dense", action="store_true", help="write the family's plain weights (a standard folder) instead of bases + coefficients")
+    p.add_argument("--stream", action="store_true",
+                   help="compress a model larger than memory one decoder block at a time (an HF folder of sharded "
+                        "safetensors; --method svd or whiten, even ranks); the default when the model's float32 "
+                        "size exceeds the available memory")
     p.add_argument("--heal", type=positive_int, metavar="TOKENS",
                    help="then heal the result by distillation on TOKENS healing tokens (flowgeom compress heal; "
                         "its options below)")

@@ -74,19 +74,23 @@ class Candidate:
     cost: torch.Tensor
     per_rank: int
     dense: int
+    cap: int | None = None  # the largest rank worth running factored (speed: plan.speed_cap); None: no cap
 
     def __post_init__(self):
         if self.cost.ndim != 1 or len(self.cost) < 1:
             raise FlowgeomError(f"a unit's component costs must be a non-empty vector, got shape {list(self.cost.shape)}")
         if not torch.isfinite(self.cost).all():
             raise FlowgeomError("a unit's component costs hold NaN or Inf; the calibration gradients overflowed")
+        if self.cap is not None and self.cap < 0:
+            raise FlowgeomError(f"a unit's rank cap must be >= 0, got {self.cap}")
         if self.per_rank < 1 or self.dense < 1:
             raise FlowgeomError(f"per-rank ({self.per_rank}) and dense ({self.dense}) costs must be >= 1")
 
     @property
     def max_rank(self) -> int:
-        """The largest rank that still saves something (0 when none does)."""
-        return min(len(self.cost), (self.dense - 1) // self.per_rank)
+        """The largest rank that still saves something and is within the cap (0 when none is)."""
+        kmax = min(len(self.cost), (self.dense - 1) // self.per_rank)
+        return kmax if self.cap is None else min(kmax, self.cap)
 
     def savings(self, k: int | None) -> int:
         return 0 if k is None else self.dense - k * self.per_rank

@@ -394,9 +394,18 @@ def probes(units: Sequence[Unit], factors: Sequence[fz.Factors]) -> dict[tuple[i
     return out
 
 
+def speed_cap(shape: tuple[int, int], flops: float) -> int:
+    """The largest rank whose two factored products take at most ``flops`` x the dense product's multiply-adds
+    per token: ``k (m + n) <= flops m n``. Two thin GEMMs run below one square GEMM's rate, so a factored
+    projection saving few flops runs slower than dense; ``flops`` < 1 keeps those dense."""
+    m, n = shape
+    return int(flops * m * n) // (m + n)
+
+
 def candidates(units: Sequence[Unit], sens: Mapping[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
-               score: str = LOSS_SCORE) -> list:
-    """One :class:`~flowgeom.compress.allocate.Candidate` per unit: its layers' estimates summed."""
+               score: str = LOSS_SCORE, flops: float = 1.0) -> list:
+    """One :class:`~flowgeom.compress.allocate.Candidate` per unit: its layers' estimates summed; ranks capped
+    by :func:`speed_cap` when ``flops`` < 1."""
     from flowgeom.compress.allocate import Candidate, component_cost
 
     out = []
@@ -404,7 +413,7 @@ def candidates(units: Sequence[Unit], sens: Mapping[tuple[int, str], tuple[torch
         first = sum(sens[(l, u.role)][0] for l in u.layers)
         fisher = sum(sens[(l, u.role)][1] for l in u.layers)
         out.append(Candidate(component_cost(first, fisher, score), fz.stored_per_rank(*u.shape, len(u.layers), u.space),
-                             u.dense_params))
+                             u.dense_params, None if flops >= 1.0 else speed_cap(u.shape, flops)))
     return out
 
 
@@ -417,12 +426,13 @@ def with_ranks(plan_: Plan, units: Sequence[Unit], ranks: Sequence[int | None], 
 
 def allocate_by_loss(plan_: Plan, state: Mapping[str, torch.Tensor], calib: Calibration, model: Callable[[], Any],
                      ids: torch.Tensor, *, score: str = LOSS_SCORE, rule: str = LOSS_RULE,
-                     progress: Callable[[int, int], None] | None = None, cache: dict | None = None
-                     ) -> tuple[Plan, dict]:
+                     progress: Callable[[int, int], None] | None = None, cache: dict | None = None,
+                     flops: float = 1.0) -> tuple[Plan, dict]:
     """``plan_``'s units (same spaces and groups) with ranks chosen by the loss each component costs
     (:mod:`flowgeom.compress.allocate`), at the savings ``plan_.ratio`` asks of the same scope. ``model()``
     builds a flowgeom Llama with ``state``'s weights, whose calibration gradients on ``ids`` score the
-    components; ``cache`` keeps the estimates per unit layout (a sweep measures them once)."""
+    components; ``cache`` keeps the estimates per unit layout (a sweep measures them once); ``flops`` < 1
+    caps every unit's rank at :func:`speed_cap` (units that would save less are kept dense)."""
     from flowgeom.compress import allocate as A
     from flowgeom.compress.calibrate import sensitivity
 
@@ -436,7 +446,7 @@ def allocate_by_loss(plan_: Plan, state: Mapping[str, torch.Tensor], calib: Cali
         if cache is not None:
             cache[key] = (sens, loss)
             cache["full"] = {k: f for k, f in zip(key, factors)}  # the latest layout's, for compress(full=...)
-    cands = candidates(units, sens, "first" if rule == "zero-sum" else score)
+    cands = candidates(units, sens, "first" if rule == "zero-sum" else score, flops)
     scope = sum(u.dense_params for u in units)
     target = math.ceil(plan_.ratio * scope)
     ranks = A.allocate(cands, target, rule)

@@ -56,6 +56,7 @@ class ShareConfig:
     cache: bool = True
     dtype: str = "float32"  # storage of a factored folder: float32, float16 or bfloat16
     allocate: str | None = None  # even | loss ranks; None: loss where calibrated (the measured better), else even
+    max_flops: float = 1.0  # loss allocation: a factored projection runs at most this fraction of dense flops
 
     def __post_init__(self):
         if self.method not in C.METHODS + DROP_METHODS + (MIXED,):
@@ -103,6 +104,12 @@ class ShareConfig:
                                 "--method whiten (or --allocate even)")
         if self.allocate is not None and self.method in DROP_METHODS:
             raise FlowgeomError(f"--method {self.method} drops whole blocks; --allocate applies to low-rank methods")
+        if not 0.0 < self.max_flops <= 1.0:
+            raise FlowgeomError(f"--max-flops {self.max_flops!r} must be a fraction in (0, 1]; e.g. 0.7 keeps dense "
+                                "every projection whose factors would run more than 70% of its dense flops")
+        if self.max_flops < 1.0 and self.allocation != "loss":
+            raise FlowgeomError("--max-flops caps the ranks the loss allocation chooses; it goes with --allocate loss "
+                                "(the default of calibrated methods)")
         if self.allocate == "loss" and self.rank is not None:
             raise FlowgeomError("--rank fixes every rank; --allocate loss allocates ranks at a --budget")
         if self.method == MIXED and (self.rank is not None or self.sequential or self.refit or self.dense):
@@ -249,6 +256,7 @@ def compress_model(config: ShareConfig, cfg, state, source: Path, tokenizer, *, 
     if config.rank is not None:
         p = C.with_rank(p, config.rank)
     facts["allocate"] = config.allocation
+    facts["max_flops"] = config.max_flops
     if config.allocation == "loss":
         p, facts["allocation"] = _loss_ranks(config, cfg, state, p, calib, cache, progress)
     facts["notes"] += list(p.notes)
@@ -272,7 +280,7 @@ def _loss_ranks(config: ShareConfig, cfg, state, p: C.Plan, calib, cache: dict, 
     ids = cache["ids"][: max(1, GRAD_TOKENS // config.seq_len)]
     step = (lambda d, t: progress("gradients", d, t)) if progress else None
     return C.allocate_by_loss(p, state, calib, lambda: build_model(cfg, state), ids, progress=step,
-                              cache=cache.setdefault("sensitivity", {}))
+                              cache=cache.setdefault("sensitivity", {}), flops=config.max_flops)
 
 
 def drop_blocks(config: ShareConfig, cfg, state, source: Path, tokenizer, *, progress: Progress | None = None,
