@@ -142,6 +142,10 @@ def test_evaluate_reads_every_family(compressed, tmp_path, capsys):
     assert code == 0, err
     rows = json.loads(out)["models"]
     assert len(rows) == 1 + len(folders) and all(r["ppl"] > 1 for r in rows)
+    # bytes against the reference stored densely in the same dtype: the float32 source is ~1 (its header aside),
+    # every factored folder below it
+    assert rows[0]["stored"] == "float32" and abs(rows[0]["bytes_ratio"] - 1) < 0.05
+    assert all(r["stored"] == "float32" and r["bytes_ratio"] < rows[0]["bytes_ratio"] for r in rows[1:])
 
 
 def test_sequential_on_a_fused_family_writes_what_it_measured(tmp_path, monkeypatch):

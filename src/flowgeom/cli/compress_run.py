@@ -175,14 +175,21 @@ def _print_evaluate(result: dict) -> None:
     cfg = result["config"]
     table = Table(title=f"perplexity on {escape(result['text'])} {escape(result['split'])}: "
                         f"{result['models'][0]['targets']:,} targets, context {cfg['context']}, stride {cfg['stride']}")
-    for col in ("model", "ppl", "× first", "nll", "params saved", "MB on disk", "seconds"):
+    for col in ("model", "ppl", "× first", "nll", "params saved", "stored", "weights MB", "× dense bytes",
+                "seconds"):
         table.add_column(col, justify="left" if col == "model" else "right")
     for row in result["models"]:
         saved = row.get("saved_params")
         table.add_row(escape(row["model"]), f"{row['ppl']:.3f}", f"{row['ppl_ratio']:.3f}", f"{row['nll']:.4f}",
-                      "-" if saved is None else f"{saved:,}", f"{row['bytes_on_disk'] / 1e6:.0f}",
-                      f"{row['seconds']:.1f}")
+                      "-" if saved is None else f"{saved:,}", row["stored"], f"{row['weight_bytes'] / 1e6:.0f}",
+                      "-" if row["stored"] == "gguf" else f"{row['bytes_ratio']:.3f}", f"{row['seconds']:.1f}")
     console().print(table)
+    first = result["models"][0]
+    console().print(f"× dense bytes: weight files against the first model's {first['params']:,} parameters stored "
+                    "densely in the same dtype" + (f"; {escape(first['model'])} itself is a quantised GGUF of "
+                                                    f"{first['weight_bytes'] / 1e6:.0f} MB, which a float "
+                                                    "compressed folder does not undercut"
+                                                    if first["stored"] == "gguf" else ""))
 
 
 # ---------------------------------------------------------------- registration

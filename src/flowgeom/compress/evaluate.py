@@ -26,6 +26,24 @@ def bytes_on_disk(path: Path) -> int:
     return sum(f.stat().st_size for f in (path.iterdir() if path.is_dir() else [path]) if f.is_file())
 
 
+def weight_bytes(path: Path) -> int:
+    """Bytes of the weight files (``.safetensors``, ``.gguf``) of a model file or folder."""
+    files = path.iterdir() if path.is_dir() else [path]
+    return sum(f.stat().st_size for f in files if f.is_file() and f.suffix in (".safetensors", ".gguf"))
+
+
+def stored_dtype(path: Path) -> str:
+    """How a model's weights are stored: ``gguf`` (quantised), or the float dtype a compressed folder names."""
+    if path.suffix == ".gguf" or (path.is_dir() and any(path.glob("*.gguf"))):
+        return "gguf"
+    share = path / "flowgeom_share.json" if path.is_dir() else None
+    if share is not None and share.is_file():
+        from flowgeom.runs import read_json_object
+
+        return str(read_json_object(share, fix="re-run compress run").get("dtype") or "float32")
+    return "float32"
+
+
 def _saved_params(path: Path) -> int | None:
     """The parameters a ``compress run`` folder says it saved (None for other models)."""
     share = path / "flowgeom_share.json" if path.is_dir() else None
@@ -75,10 +93,16 @@ def compare_models(specs: Sequence[str], *, text: str = "kjv", config: EvalConfi
         saved = _saved_params(path)
         if saved is not None:
             row["saved_params"] = saved
+        row["weight_bytes"], row["stored"] = weight_bytes(path), stored_dtype(path)
         rows.append(row)
         del model
+    sizes = {"float32": 4, "float16": 2, "bfloat16": 2}
     for row in rows:
         row["ppl_ratio"] = row["ppl"] / rows[0]["ppl"]
+        # the reference's parameters stored densely in this model's dtype: what the compression is judged against
+        dense = rows[0]["params"] * sizes.get(row["stored"], 4)
+        row["dense_bytes_same_dtype"] = dense
+        row["bytes_ratio"] = row["weight_bytes"] / dense
     split = {"kjv": "test (last 5% of verses)", "fortunes": "whole text"}.get(
         text, "test (last 5%)" if is_named(text) else "whole file")
     result = {"text": text, "split": split,
