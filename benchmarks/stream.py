@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/stream.py [--work DIR] [--keep] [--threads 2] [--layers 13] [--limit 0.8]
 
 1. Writes a Llama with SmolLM2's tokenizer and vocabulary (49,152), hidden 2048, intermediate 5632, 16 heads,
-   4 KV heads, tied embeddings, ``--layers`` blocks (13: 3.2 GB float32) as float32 safetensors shards of
+   4 KV heads, tied embeddings, ``--layers`` blocks (13: 2.75 GB float32) as float32 safetensors shards of
    ~``--shard-mb`` MB plus an index, into ``--work`` (default: a new temporary folder; deleted afterwards
    unless ``--keep``). Weights are N(0, 1/fan_in) (embeddings N(0, 1)), so activations stay of order one.
 2. Runs ``flowgeom compress run DIR --out DIR/out --budget 0.2 --method whiten --allocate even --stream
@@ -14,8 +14,10 @@
 3. Prints peak RSS / float32 bytes (target <= 0.5), wall time, cores and load.
 
 ``--limit F`` also runs the command under ``RLIMIT_AS`` = F x the float32 bytes (set in the child before
-``exec``): a hard ceiling on address space, stricter than on resident memory, since torch and glibc reserve
-address space they never touch; the script reports whether that run finished.
+``exec``) and reports whether it finished. A ceiling on address space is no ceiling on resident memory:
+torch and glibc reserve address space they never touch (a run resident at 1.3 GB had mapped 2.5 GB), and
+the reader keeps every shard open through ``safetensors.safe_open``, which maps each whole file, so at
+F < 1 the run fails at open (measured: F = 0.95 fails in 2 s). Without root, VmHWM is the measure.
 """
 
 from __future__ import annotations

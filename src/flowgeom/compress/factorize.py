@@ -89,11 +89,18 @@ class Factors:
         return self.basis.numel() + sum(c.numel() for c in self.coeffs)
 
 
+def summed(grams: torch.Tensor) -> torch.Tensor:
+    """The float64 sum of a stack of Grams (g, n, n); a stack of one is returned as it is, not copied."""
+    grams = grams.double()
+    return grams[0] if len(grams) == 1 else grams.sum(0)
+
+
 def whitener(gram: torch.Tensor) -> tuple[torch.Tensor, float]:
     """``(S, shift)``: the lower Cholesky factor of ``gram + shift I`` in float64, shift 0 when ``gram`` is
     positive definite, else SVD-LLM's ``-λ_min + 1e-6``."""
     g = gram.double()
-    g = (g + g.T) / 2
+    g = g + g.T  # one (n, n) temporary, halved in place (exact: a power of two): at n = 5,632 each is 254 MB
+    g.mul_(0.5)
     S, info = torch.linalg.cholesky_ex(g)
     if int(info) == 0:
         return S, 0.0
@@ -123,7 +130,7 @@ def share_input(mats: torch.Tensor, grams: torch.Tensor | None, rank: int) -> Fa
     if grams is None:
         S, shift = torch.eye(n, dtype=w.dtype, device=w.device), 0.0
     else:
-        S, shift = whitener(grams.double().sum(0))
+        S, shift = whitener(summed(grams))
     A = w.reshape(g * m, n) @ S  # (gm, n)
     sig, V = _top_right(A, rank)  # (q,), (n, k)
     basis = torch.linalg.solve_triangular(S, V.T, upper=False, left=False)  # V_k^T S^{-1}: (k, n)
@@ -179,7 +186,7 @@ def spectrum(mats: torch.Tensor, grams: torch.Tensor | None, space: str) -> torc
     w = mats.double()
     g, m, n = w.shape
     if space == "input":
-        S = torch.eye(n, dtype=w.dtype) if grams is None else whitener(grams.double().sum(0))[0]
+        S = torch.eye(n, dtype=w.dtype) if grams is None else whitener(summed(grams))[0]
         A = w.reshape(g * m, n) @ S
         return torch.linalg.eigvalsh(A.T @ A if g * m >= n else A @ A.T).flip(0).clamp_min(0)[: min(g * m, n)]
     wg = w if grams is None else w @ grams.double()

@@ -31,8 +31,9 @@
 Peak memory ~ the embedding matrix (step 3 only), or one block with its
 float64 Grams, plus the float64 work of whitening the widest projection
 input (down_proj's: four (n, n) float64 matrices, 1 GB at n = 5,632), plus
-two copies of the calibration states (S T d floats). Measured: 0.5x the
-float32 size of a 3.2 GB Llama (docs/continuity-sharing.md). Not streamed:
+two copies of the calibration states (S T d floats). Measured: a peak RSS
+of 1.68 GB, 0.61x the float32 size of a 2.75 GB Llama, ~0.87 GB of it the
+whitening of one down_proj (docs/continuity-sharing.md). Not streamed:
 ``--allocate loss`` (its gradients flow through the whole model), methods
 whose units span blocks (basis-sharing, share, continuity), block dropping
 and ``mixed`` (scores over all blocks), ``--dense``, ``--refit``. The Gram
@@ -262,8 +263,8 @@ def _stored_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
 
 
 def _trim() -> None:
-    """Hand freed heap memory back to the system (glibc). Freed blocks of the worker threads' arenas
-    otherwise stay resident (~0.4 GB between blocks of a 3 GB model), so the peak grew with each block."""
+    """Hand freed heap memory back to the system (glibc): freed blocks of the worker threads' arenas otherwise
+    stay resident, and the peak of a block's work stacks on the leftovers of the one before."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
