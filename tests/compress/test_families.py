@@ -218,3 +218,18 @@ def test_heal_trains_a_split_fused_projection_and_writes_a_loadable_folder(compr
         torch.testing.assert_close(logits(load(tmp_path / "h"), ids),
                                    logits(build_model(cfg, dense_state(units_after, after)), ids),
                                    rtol=1e-5, atol=1e-5)
+
+
+def test_a_fused_layout_the_table_does_not_know_is_one_line_exit_2(compressed, tmp_path, capsys, monkeypatch):
+    """A family entry whose fused weight has no FusedLayout cannot be split: refused before any work."""
+    from dataclasses import replace
+
+    from flowgeom.cli import main
+    from flowgeom.hf import families
+
+    monkeypatch.setitem(families.FAMILIES, "phi3", replace(families.FAMILIES["phi3"], fused={}))
+    src = compressed["phi3"][0]
+    code = main(["compress", "run", str(src), "--out", str(tmp_path / "o"), "--method", "svd", "--budget", "0.2"])
+    _, err = capsys.readouterr()
+    assert code == 2 and "self_attn.qkv_proj has no layout in the family table" in err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "o").exists()

@@ -2,6 +2,8 @@
 
 The modules are the stages, in the order a compression runs them::
 
+    source      the dense model of any causal-LM family, as role weights
+    arch        where each family keeps its roles (fused, Conv1D), blocks run one at a time
     calibrate   per-projection input Grams from calibration text (and block-drop scores)
     blocks      roles, layer groups, spaces; which whole blocks to drop
     plan        units (role x layer group, space, rank) of each method, and their factorisation
@@ -10,6 +12,8 @@ The modules are the stages, in the order a compression runs them::
     auto        factored folders in transformers' Auto classes (never loaded silently as dense)
     write       atomic, streamed checkpoint folders
     run         ``compress_model`` / ``share_model``: load, calibrate, plan, factorise, write
+    stream      the same, one block in memory at a time (sharded safetensors larger than memory)
+    heal        distillation of the dense model back into a compressed folder
     perplexity  held-out perplexity in windows
     evaluate    several models compared on the same text
     sweep       one method over several budgets
@@ -46,8 +50,8 @@ __all__ = [
 
 
 def load(folder, *, dtype=None):
-    """The ``transformers`` causal LM of a compressed folder (the hf extra): factored projections for a factored
-    folder, the plain model for a dropped one. Also registers the factored classes with transformers' Auto
+    """The ``transformers`` causal LM of a compressed folder (the hf extra), in its family's own class: factored
+    projections for a factored folder, the plain model for a dropped one. Also registers the factored classes with transformers' Auto
     classes (:mod:`flowgeom.compress.auto`)."""
     import torch
 
