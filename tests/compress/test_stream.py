@@ -118,17 +118,20 @@ def _ppl(folder: Path, ids: torch.Tensor) -> float:
 
 
 def test_streamed_grams_equal_calibrate_bit_for_bit(models, monkeypatch):
-    """The in-place, row-chunked Gram sum of the stream is calibrate()'s out-of-place sum, exactly."""
+    """The stream's block-by-block Grams, summed in row chunks, are calibrate()'s whole-model pass summed in one
+    chunk (every width here is below GRAM_ROWS), exactly."""
     import torch.nn.functional as F
 
+    from flowgeom.compress import calibrate as calibrate_module
     from flowgeom.compress import stream
     from flowgeom.compress.calibrate import calibrate
     from flowgeom.nn.llama import llama_from_state, llama_state_dict, rope_tables
 
-    monkeypatch.setattr(stream, "ROWS", 24)  # several chunks, the last one short
     cfg, state = llama_state_dict(models[True])
     ids = torch.randint(0, cfg.vocab_size, (6, 32), generator=torch.Generator().manual_seed(3))  # 2 batches
     want = calibrate(llama_from_state(cfg, state), ids).grams
+    assert max(g.shape[0] for grams in want for g in grams.values()) <= calibrate_module.GRAM_ROWS
+    monkeypatch.setattr(calibrate_module, "GRAM_ROWS", 24)  # several chunks, the last one short
     h = F.embedding(ids, state["model.embed_tokens.weight"])  # (S, T, d)
     cos, sin = rope_tables(cfg, ids.shape[1], dtype=h.dtype)
     for l in range(cfg.num_hidden_layers):

@@ -57,7 +57,7 @@ import torch.nn.functional as F
 
 from flowgeom.compress import plan as C
 from flowgeom.compress.blocks import HF_NAMES
-from flowgeom.compress.calibrate import GRAM_KEYS, ROLE_GRAM, check_rank
+from flowgeom.compress.calibrate import GRAM_KEYS, ROLE_GRAM, check_rank, gram_hooks
 from flowgeom.compress.folder import FORMAT, JSON_NAME, VERSION, basis_name, coeff_name
 from flowgeom.compress.run import STORAGE, Progress, ShareConfig, calibration_ids, model_tokenizer
 from flowgeom.errors import FlowgeomError
@@ -65,7 +65,6 @@ from flowgeom.errors import FlowgeomError
 STREAM_METHODS = ("svd", "whiten")  # every unit is one role of one layer: the block holds all it needs
 BATCH = 4  # sequences per forward call: calibrate()'s default, so the Grams are summed in the same order
 INPUTS = {key: path for key, (path, _) in GRAM_KEYS.items()}  # Gram key -> the Llama module whose input it is
-ROWS = 512  # rows of a Gram added to the float64 sum at a time: a 23 MB temporary at width 5,632
 _RESHARD = "model.save_pretrained(DIR, max_shard_size=\"500MB\")"
 
 
@@ -184,32 +183,10 @@ def _decoder_layer(cfg, block: Mapping[str, torch.Tensor], layer: int):
     return module.eval()
 
 
-def _gram_hooks(layer, grams: dict[str, torch.Tensor]) -> list:
-    """Pre-hooks adding each projection input's Gram ``X^T X`` to ``grams`` (float64).
-
-    The sum :func:`~flowgeom.compress.calibrate.calibrate` forms: each batch's product in the activations'
-    precision, cast to float64 and added in batch order, so the Grams are equal bit for bit
-    (tests/compress/test_stream.py). It adds in place, :data:`ROWS` rows at a time: calibrate's
-    ``acc + part`` holds three float64 Grams at once, 0.76 GB for a 5,632-wide down_proj input.
-    """
-    handles = []
-    for key, path in INPUTS.items():
-        def hook(_m, args, key=key):
-            x = args[0].reshape(-1, args[0].shape[-1])  # (B T, n)
-            part = x.T @ x  # (n, n)
-            if key not in grams:
-                grams[key] = part.double()
-                return
-            for i in range(0, len(part), ROWS):
-                grams[key][i:i + ROWS] += part[i:i + ROWS].double()
-        handles.append(layer.get_submodule(path).register_forward_pre_hook(hook))
-    return handles
-
-
 def _run(layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, grams: dict | None) -> torch.Tensor:
     """``layer`` over ``h`` (S, T, d), :data:`BATCH` sequences a call (calibrate's batching); ``grams``
     accumulates the input Grams."""
-    handles = [] if grams is None else _gram_hooks(layer, grams)
+    handles = [] if grams is None else gram_hooks(layer, INPUTS, grams)
     try:
         with torch.inference_mode():
             return torch.cat([layer(h[i:i + BATCH], cos, sin) for i in range(0, len(h), BATCH)])  # (S, T, d)
