@@ -233,3 +233,15 @@ def test_a_fused_layout_the_table_does_not_know_is_one_line_exit_2(compressed, t
     _, err = capsys.readouterr()
     assert code == 2 and "self_attn.qkv_proj has no layout in the family table" in err
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "o").exists()
+
+
+def test_sweep_scores_a_family_at_several_budgets(compressed, tmp_path):
+    from flowgeom.compress.run import ShareConfig
+    from flowgeom.compress.sweep import sweep_budgets
+
+    src = compressed["gpt2"][0]
+    result = sweep_budgets(str(src), tmp_path / "s", ShareConfig(calib_tokens=1024, seq_len=64, allocate="even"),
+                           [0.2, 0.5], eval_tokens=256, context=64)
+    ratios = [p["ppl_ratio"] for p in result["points"]]
+    assert [p["budget"] for p in result["points"]] == [0.2, 0.5] and (tmp_path / "s" / "sweep.json").is_file()
+    assert all(r > 0.5 for r in ratios) and result["roles"] == ["q", "k", "v", "o", "up", "down"]

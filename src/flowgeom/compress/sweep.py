@@ -36,13 +36,18 @@ def sweep_budgets(source: str, out: Path, config: ShareConfig, budgets: Sequence
                   eval_tokens: int = 4096, context: int = 512, progress: Progress | None = None) -> dict[str, Any]:
     from flowgeom.compress.write import check_out_folder, write_folder
     from flowgeom.compress.perplexity import EvalConfig, perplexity
-    from flowgeom.nn.llama import llama_from_state, llama_state_dict
+    from flowgeom.compress.run import MIXED, family_roles
+    from flowgeom.compress.source import build_model, is_native, load_dense
     from flowgeom.runs import atomic_write_json
 
     budgets = sorted(set(budgets))
     path = source_path(source)
     check_out_folder(path, out, force=force)
-    cfg, state = llama_state_dict(path)
+    cfg, state = load_dense(path)
+    config = family_roles(config, cfg)
+    if not is_native(cfg) and config.method in DROP_METHODS + (MIXED,):
+        raise FlowgeomError(f"--method {config.method} drops Llama blocks; for a {cfg.model_type} model sweep a "
+                            "low-rank method (whiten, basis-sharing, share, continuity or svd)")
     check_weights(state, config.roles, cfg.num_hidden_layers)
     tokenizer = model_tokenizer(path)
     if tokenizer is None:
@@ -51,7 +56,7 @@ def sweep_budgets(source: str, out: Path, config: ShareConfig, budgets: Sequence
     ids = held_out_ids(tokenizer, eval_tokens)
     ev = EvalConfig(context=min(context, len(ids), cfg.max_position_embeddings), max_tokens=None)
     t0 = time.perf_counter()
-    reference = perplexity(llama_from_state(cfg, state), ids, ev)["ppl"]
+    reference = perplexity(build_model(cfg, state), ids, ev)["ppl"]
     shared: dict = {}
     points = []
     for i, b in enumerate(budgets):
@@ -59,12 +64,12 @@ def sweep_budgets(source: str, out: Path, config: ShareConfig, budgets: Sequence
         if config.method in DROP_METHODS:
             new_cfg, new_state, facts = drop_blocks(point, cfg, state, path, tokenizer, calib_cache=shared,
                                                     progress=progress)
-            model, saved, fraction = (llama_from_state(new_cfg, new_state), facts["saved_params"],
+            model, saved, fraction = (build_model(new_cfg, new_state), facts["saved_params"],
                                       facts["scope_saved_fraction"])
         else:
             compressed, _ = compress_model(point, cfg, state, path, tokenizer, calib_cache=shared, progress=progress)
             p = compressed.plan
-            model, saved, fraction = (llama_from_state(cfg, compressed.dense_state(state)),
+            model, saved, fraction = (build_model(cfg, compressed.dense_state(state)),
                                       p.dense_params - p.stored_params, p.saved_fraction)
         ppl = perplexity(model, ids, ev)["ppl"]
         points.append({"budget": b, "saved_fraction": fraction, "saved_params": saved, "ppl": ppl,
