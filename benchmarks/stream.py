@@ -13,11 +13,12 @@
    Gram of down_proj's 5,632-wide input needs at least 5,632 to be full rank.
 3. Prints peak RSS / float32 bytes (target <= 0.5), wall time, cores and load.
 
-``--limit F`` also runs the command under ``RLIMIT_AS`` = F x the float32 bytes (set in the child before
-``exec``) and reports whether it finished. A ceiling on address space is no ceiling on resident memory:
-torch and glibc reserve address space they never touch (a run resident at 1.3 GB had mapped 2.5 GB), and
-the reader keeps every shard open through ``safetensors.safe_open``, which maps each whole file, so at
-F < 1 the run fails at open (measured: F = 0.95 fails in 2 s). Without root, VmHWM is the measure.
+``--limit F`` also runs the command under ``RLIMIT_DATA`` = F x the float32 bytes (set in the child before
+``exec``) and reports whether it finished. Since Linux 4.7 that limit counts every private writable mapping
+(heap, torch's tensors, thread stacks) but not the shards, which ``safetensors.safe_open`` maps read-only: a
+ceiling on the memory the process can fill, without root. ``RLIMIT_AS`` cannot stand in for it: torch and
+glibc reserve address space they never touch and the read-only shard maps count, so at F < 1 the run
+failed at open (F = 0.95: 2 s).
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def write_model(folder: Path, cfg, tokenizer, shard_bytes: int, seed: int = 0) -
 def run_child(argv: list[str], limit: int | None) -> dict:
     """``flowgeom`` in a fresh process: exit code, peak RSS (bytes), wall seconds, its last stderr lines."""
     def cap():
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
 
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", CHILD, *argv], capture_output=True, text=True,
@@ -120,7 +121,7 @@ def main() -> None:
     ap.add_argument("--shard-mb", type=int, default=500)
     ap.add_argument("--calib-tokens", type=int, default=8192)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--limit", type=float, help="also run under RLIMIT_AS = this fraction of the float32 bytes")
+    ap.add_argument("--limit", type=float, help="also run under RLIMIT_DATA = this fraction of the float32 bytes")
     args = ap.parse_args()
 
     from flowgeom.data.tokens import load_tokenizer

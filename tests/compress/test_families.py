@@ -245,3 +245,25 @@ def test_sweep_scores_a_family_at_several_budgets(compressed, tmp_path):
     ratios = [p["ppl_ratio"] for p in result["points"]]
     assert [p["budget"] for p in result["points"]] == [0.2, 0.5] and (tmp_path / "s" / "sweep.json").is_file()
     assert all(r > 0.5 for r in ratios) and result["roles"] == ["q", "k", "v", "o", "up", "down"]
+
+
+@pytest.mark.parametrize("model_type,over", [("gpt2", {}), ("gemma2", {"final_logit_softcapping": 3.0})])
+def test_heal_step_gradient_is_the_whole_logits_kl_through_any_head(model_type, over):
+    """The closed-form head gradient of a heal step (through the family's final norm, and Gemma 2's logit
+    soft cap) equals autograd through the model's own logits, float64."""
+    from flowgeom.compress.heal import distillation_loss, distillation_step_loss
+    from flowgeom.hf.tiny import tiny_model
+
+    teacher = tiny_model(model_type, seed=0, dtype=torch.float64, vocab_size=VOCAB, **over)
+    student = tiny_model(model_type, seed=1, dtype=torch.float64, vocab_size=VOCAB, **over)
+    student.requires_grad_(False)
+    assert Runner(student).softcap == over.get("final_logit_softcapping")
+    ids = _ids(8, (2, 20))
+    arch = arch_of(student.config)
+    wrt = student.get_submodule(f"{arch.layers}.0.{arch.slots['up'].path}").weight
+    wrt.requires_grad_(True)
+    whole = distillation_loss(student(ids).logits, teacher(ids).logits.detach())
+    chunked = distillation_step_loss(student, teacher, ids, checkpointing=True, chunk=7)
+    assert float(chunked) == pytest.approx(float(whole), rel=1e-9)
+    torch.testing.assert_close(torch.autograd.grad(chunked, wrt)[0], torch.autograd.grad(whole, wrt)[0],
+                               rtol=1e-7, atol=1e-12)

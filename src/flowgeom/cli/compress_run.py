@@ -198,7 +198,7 @@ def add_method_flags(p: argparse.ArgumentParser) -> None:
     """How to compress: the flags ``run`` and ``sweep`` share (``run`` adds the size, ``--dense`` and ``--heal``)."""
     p.add_argument("source",
                    help="causal LM: .gguf, builtin:smollm2, or an HF folder (config.json + safetensors) of Llama, "
-                        "Mistral, Qwen2, Qwen3, Gemma, Phi-3, GPT-2, GPT-NeoX or Falcon")
+                        "Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Phi-3, GPT-2, GPT-NeoX or Falcon")
     p.add_argument("--method", choices=METHODS, default="whiten",
                    help="svd: data-free per layer (the floor); whiten: SVD-LLM per layer (default: the lowest "
                         "perplexity measured on SmolLM2, docs/continuity-sharing.md); basis-sharing: Wang et "

@@ -39,7 +39,7 @@ from flowgeom.errors import FlowgeomError
 ROLE_ORDER = ("q", "k", "v", "o", "gate", "up", "down")
 # Gram group -> roles that read its input (the calibration's four inputs of a block)
 INPUT_GROUPS = {"attn": ("q", "k", "v"), "o": ("o",), "mlp": ("gate", "up"), "down": ("down",)}
-CAUSAL_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "gpt2", "gpt_neox", "falcon")
+CAUSAL_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "gpt2", "gpt_neox", "falcon")
 _BASE = {"gpt2": "transformer", "falcon": "transformer", "gpt_neox": "gpt_neox"}  # else "model"
 _FINAL_NORM = {"gpt2": "ln_f", "falcon": "ln_f", "gpt_neox": "final_layer_norm"}  # else "norm"
 
@@ -316,9 +316,17 @@ class Runner:
         out = self.layers[layer](h, *args, **kwargs)
         return out[0] if isinstance(out, tuple) else out
 
+    @property
+    def softcap(self) -> float | None:
+        """Gemma 2's final logit soft-capping ``c tanh(z / c)`` (None: plain logits)."""
+        cap = getattr(self.model.config, "final_logit_softcapping", None)
+        return float(cap) if cap else None
+
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        """Logits of the last hidden states (final norm, then the output embedding)."""
-        return self.lm_head(self.norm(h))
+        """Logits of the last hidden states (final norm, the output embedding, the family's soft cap)."""
+        z = self.lm_head(self.norm(h))
+        cap = self.softcap
+        return z if cap is None else torch.tanh(z / cap) * cap
 
 
 def runner(model: nn.Module) -> Runner:

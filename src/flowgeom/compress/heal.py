@@ -176,8 +176,11 @@ def _chunk_kl(h_student: torch.Tensor, h_teacher: torch.Tensor, student, teacher
 
     s_run, t_run = runner(student), runner(teacher)
     normed = s_run.norm(h_student)  # (rows, d), in the graph: the surrogate's way into the blocks
+    cap = s_run.softcap
     with torch.no_grad():
         logits = s_run.lm_head(normed)  # (rows, vocab)
+        if cap is not None:  # Gemma 2: logits = c tanh(z / c), so dKL/dz = dKL/dlogits (1 - (logits / c)^2)
+            logits = torch.tanh(logits / cap) * cap
         target = t_run.head(h_teacher)  # (rows, vocab)
         dtype = torch.promote_types(logits.dtype, torch.float32)
         log_s, log_t = F.log_softmax(logits.to(dtype), dim=-1), F.log_softmax(target.to(dtype), dim=-1)
@@ -185,6 +188,8 @@ def _chunk_kl(h_student: torch.Tensor, h_teacher: torch.Tensor, student, teacher
         kl = (p_t * (log_t - log_s)).sum(-1).mean()
         scale = weight / h_student.shape[0]
         g_logits = (log_s.exp() - p_t).mul_(scale).to(logits.dtype)  # (rows, vocab): d(weight x KL)/dlogits
+        if cap is not None:
+            g_logits.mul_(1 - (logits / cap).square())
         g_normed = g_logits @ s_run.lm_head.weight  # (rows, d)
     surrogate = (normed * g_normed).sum()
     return kl * weight, surrogate
