@@ -2,13 +2,19 @@
 
 **Folder layout** (what ``flowgeom compress run`` writes)::
 
-    config.json               the HF Llama config, model_type flowgeom_factored (flowgeom.compress.auto)
-    model.safetensors         every tensor that is not compressed (embeddings, norms, dense projections)
+    config.json               the dense model's config, model_type flowgeom_factored (flowgeom.compress.auto)
+    model.safetensors         every tensor that is not compressed (embeddings, norms, biases, dense projections)
                               + per unit  factored.<role>.<first>-<last>.basis
                               + per layer model.layers.<l>.<module>.coeff
     flowgeom_factored.json    {"format": "flowgeom-factored", "version": 1, "units": [...]}
     tokenizer.json            when the source had one
     flowgeom_share.json       the compression report
+
+Projections are stored as role weights under Llama's names
+(``model.layers.<l>.self_attn.q_proj.weight`` ..., :mod:`flowgeom.compress.arch`)
+whatever the family; for Llama-like families those are the family's own
+names, for fused ones (Phi-3, GPT-2, NeoX, Falcon) the loader puts the roles
+back into the fused modules. Every other tensor keeps its family's name.
 
 A unit ``{"role", "space", "layers", "rank", "shape": [m, n], "basis", "coeffs"}``
 rebuilds layer l's projection as ``coeff_l @ basis`` (input space: basis (k, n),
@@ -18,10 +24,11 @@ dtype, that no projection is both dense and factored or factored twice, and
 that nothing is left over: a hand-edited or truncated folder is one clear error.
 
 **Loading.** :func:`factored_llama` gives flowgeom's Llama and
-:func:`factored_hf` a ``transformers.LlamaForCausalLM``, each with
-:class:`FactoredLinear` modules in place of the compressed projections; a
-group's basis is one shared parameter. :func:`dense_state` gives plain Llama
-weights (``--dense``).
+:func:`factored_hf` the family's transformers model, each with
+:class:`FactoredLinear` modules in place of the compressed projections (a
+:class:`SplitProjection` where a fused module holds a factored role); a
+group's basis is one shared parameter. :func:`dense_state` gives the dense
+role weights back.
 """
 
 from __future__ import annotations
@@ -245,7 +252,7 @@ def read_factored(folder: str | Path) -> tuple[object, list[FactoredUnit], dict[
 
 def dense_state(units: Sequence[FactoredUnit], tensors: Mapping[str, torch.Tensor], *,
                 dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """Plain Llama weights in ``dtype``: every factored projection rebuilt densely (the product taken in
+    """Dense role weights in ``dtype``: every factored projection rebuilt densely (the product taken in
     float64, so it is the stored factorisation's exact reconstruction), factor tensors dropped."""
     factor_names = {u.basis for u in units} | {c for u in units for c in u.coeffs}
     out = {k: v.to(dtype) for k, v in tensors.items() if k not in factor_names}

@@ -4,7 +4,9 @@
 experiment use. Its steps, each refused up front on bad input (nothing is
 written and the source is never touched on any error):
 
-1. load the Llama (GGUF, ``builtin:smollm2`` or an HF folder), check it
+1. load the dense model (a Llama from GGUF, ``builtin:smollm2`` or an HF
+   folder; any other family of :mod:`flowgeom.compress.arch` from its HF
+   folder) as role weights (:mod:`flowgeom.compress.source`), check it
    (finite float weights, shapes as the config says);
 2. calibration ids: ``calib`` (a shipped text's train split, default
    ``kjv+pydoc``, the KJV and the Python reference's prose chunk for chunk;
@@ -14,7 +16,7 @@ written and the source is never touched on any error):
    the method (:mod:`flowgeom.compress.plan`), the factors (sequential
    when asked);
 4. a factored folder (:mod:`flowgeom.compress.folder`) or, with ``dense``,
-   plain Llama weights.
+   the family's plain weights.
 """
 
 from __future__ import annotations
