@@ -48,6 +48,7 @@ def read_history(run_dir: str | Path, *, timeout: float = 60.0) -> list[dict]:
     """
     import time
 
+    from google.protobuf.message import DecodeError
     from wandb.proto import wandb_internal_pb2 as pb
 
     deadline = time.monotonic() + timeout
@@ -56,7 +57,13 @@ def read_history(run_dir: str | Path, *, timeout: float = 60.0) -> list[dict]:
         rows, done = [], False
         for raw in _records(path.read_bytes()):
             rec = pb.Record()
-            rec.ParseFromString(raw)
+            try:
+                rec.ParseFromString(raw)
+            except DecodeError:  # a record the service process is still writing: read the file again
+                if time.monotonic() > deadline:
+                    raise
+                done = False
+                break
             kind = rec.WhichOneof("record_type")
             if kind == "history":
                 rows.append({(item.key or "/".join(item.nested_key)): json.loads(item.value_json)
