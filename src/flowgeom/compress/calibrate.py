@@ -125,9 +125,9 @@ def calibrate(model, ids: torch.Tensor, *, groups: Sequence[Sequence[int]] | Non
     :mod:`flowgeom.compress.arch`) on ``ids`` (S, T) sequences, block by block (module docstring). ``groups``:
     consecutive blocks compressed together (default: one group per block); ``on_group(layers, their grams)``
     (sequential variant) may change those blocks' weights before their output is propagated."""
-    from flowgeom.compress.arch import Runner
+    from flowgeom.compress.arch import runner as runner_of
 
-    runner = Runner(model)
+    runner = runner_of(model)
     paths = runner.arch.input_paths()
     L = len(runner)
     groups = [[l] for l in range(L)] if groups is None else [list(g) for g in groups]
@@ -239,9 +239,9 @@ def cached_calibration(model, state: dict[str, torch.Tensor], ids: torch.Tensor,
     """``(calibration, from_cache)`` of the non-sequential pass; computed and stored when not cached."""
     key = calibration_key(state, ids)
     path = (cache or cache_dir()) / f"{key[:32]}.safetensors"
-    from flowgeom.compress.arch import Runner
+    from flowgeom.compress.arch import runner
 
-    found = load_calibration(path, key, len(Runner(model))) if path.is_file() else None
+    found = load_calibration(path, key, len(runner(model))) if path.is_file() else None
     if found is not None:
         return found, True
     calib = calibrate(model, ids, progress=progress)
@@ -257,9 +257,9 @@ def cached_calibration(model, state: dict[str, torch.Tensor], ids: torch.Tensor,
 def logits_of(model, ids: torch.Tensor, *, root: bool = False, runner=None) -> torch.Tensor:
     """The model's logits (B, T, vocab) block by block, as :func:`calibrate` runs it. ``root``: the
     embeddings start an autograd graph, so every projection's output gets a gradient while no weight needs one."""
-    from flowgeom.compress.arch import Runner
+    from flowgeom.compress.arch import runner as runner_of
 
-    runner = runner or Runner(model)
+    runner = runner or runner_of(model)
     h = runner.embed(ids)  # (B, T, d)
     if root:
         h = h.detach().requires_grad_()
@@ -284,9 +284,9 @@ def sensitivity(model, ids: torch.Tensor, probes: dict[tuple[int, str], tuple[to
     Memory: one batch's activations and gradients (the weights need no gradient); ``batch`` sequences at a
     time, SmolLM2 at 512 tokens ~0.8 GB a sequence.
     """
-    from flowgeom.compress.arch import Runner
+    from flowgeom.compress.arch import runner as runner_of
 
-    runner = Runner(model)
+    runner = runner_of(model)
     S, T = ids.shape
     n_targets = S * (T - 1)
     first = {key: torch.zeros(P.shape[1], dtype=torch.float64) for key, (P, _) in probes.items()}

@@ -331,10 +331,10 @@ def compress_sequential(plan_: Plan, model, ids: torch.Tensor, *, refit: bool = 
     """Factorise ``plan_`` group by group, each group's Grams measured on the outputs of the already-compressed
     blocks before it (SVD-LLM's and Basis Sharing's sequential calibration). ``model`` (any family of
     :mod:`flowgeom.compress.arch`) is modified in place: its projections become the dense reconstructions."""
-    from flowgeom.compress.arch import Runner, role_state, set_role_weight
+    from flowgeom.compress.arch import arch_of, role_state, set_role_weight
     from flowgeom.compress.calibrate import calibrate
 
-    arch = Runner(model).arch
+    arch = arch_of(model.config)
     n_layers = len(model.get_submodule(arch.layers))
     state = role_state(arch, {k: v.detach().clone() for k, v in model.state_dict().items()}, n_layers)
     by_first: dict[int, list[int]] = {}

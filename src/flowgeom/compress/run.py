@@ -169,13 +169,18 @@ def input_widths(state: Mapping[str, torch.Tensor]) -> dict[str, int]:
     return out
 
 
-def family_roles(config: ShareConfig, cfg) -> ShareConfig:
-    """``config`` with the default roles narrowed to those the family has (GPT-2, NeoX, Falcon: no gate);
-    roles asked for by name are kept, so a missing one is refused by the plan with its name."""
+def for_family(config: ShareConfig, cfg) -> ShareConfig:
+    """``config`` checked against the source's family: block dropping is Llama-only, and the default roles are
+    narrowed to those the family has (GPT-2, NeoX, Falcon: no gate); roles asked for by name are kept, so a
+    missing one is refused by the plan with its name."""
     from dataclasses import replace as replace_
 
     from flowgeom.compress.arch import arch_of
+    from flowgeom.compress.source import is_native
 
+    if not is_native(cfg) and config.method in DROP_METHODS + (MIXED,):
+        raise FlowgeomError(f"--method {config.method} drops Llama blocks; for a {cfg.model_type} model use a "
+                            "low-rank method (whiten, basis-sharing, share, continuity or svd)")
     present = arch_of(cfg).roles
     if config.roles == C.ROLES and present != C.ROLES:
         return replace_(config, roles=tuple(r for r in C.ROLES if r in present))
@@ -338,18 +343,15 @@ def share_model(source: str, out: Path, config: ShareConfig, *, force: bool = Fa
     """Compress ``source`` into the folder ``out`` (module docstring); returns the factors and the report."""
     from flowgeom.compress.write import check_out_folder, save_llama_folder, write_folder
     from flowgeom.compress.folder import save_factored
-    from flowgeom.compress.source import family_json, is_native, load_dense
+    from flowgeom.compress.source import family_json, load_dense
 
     t0 = time.perf_counter()
     path = source_path(source)
     check_out_folder(path, out, force=force)  # before any work
     cfg, state = load_dense(path)
-    config = family_roles(config, cfg)
+    config = for_family(config, cfg)
     check_weights(state, config.roles, cfg.num_hidden_layers)
     tokenizer = model_tokenizer(path)
-    if not is_native(cfg) and config.method in DROP_METHODS + (MIXED,):
-        raise FlowgeomError(f"--method {config.method} drops Llama blocks; for a {cfg.model_type} model use a "
-                            "low-rank method (whiten, basis-sharing, share, continuity or svd)")
     if config.method in DROP_METHODS:
         return _share_by_dropping(source, out, config, cfg, state, path, tokenizer, force=force, progress=progress,
                                   t0=t0)

@@ -107,9 +107,8 @@ def pretrained(path: Path, *, dtype: torch.dtype = torch.float32) -> nn.Module:
     return model.eval()
 
 
-def build_model(cfg: Any, state: dict[str, torch.Tensor] | None, *, family: dict[str, torch.Tensor] | None = None,
-                dtype: torch.dtype = torch.float32) -> nn.Module:
-    """The runnable model (eval mode) of a role ``state`` (or of the family's own tensors ``family``)."""
+def build_model(cfg: Any, state: dict[str, torch.Tensor], *, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The runnable model (eval mode) of a role ``state``."""
     if is_native(cfg):
         from flowgeom.nn.llama import llama_from_state
 
@@ -118,7 +117,7 @@ def build_model(cfg: Any, state: dict[str, torch.Tensor] | None, *, family: dict
 
     from flowgeom.compress.arch import arch_of, family_state
 
-    tensors = family if family is not None else family_state(arch_of(cfg), state, cfg.num_hidden_layers)
+    tensors = family_state(arch_of(cfg), state, cfg.num_hidden_layers)
     with torch.random.fork_rng(devices=[]):  # the random init is overwritten; leave the global RNG alone
         model = transformers.AutoModelForCausalLM.from_config(cfg)
     try:

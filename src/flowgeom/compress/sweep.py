@@ -36,18 +36,15 @@ def sweep_budgets(source: str, out: Path, config: ShareConfig, budgets: Sequence
                   eval_tokens: int = 4096, context: int = 512, progress: Progress | None = None) -> dict[str, Any]:
     from flowgeom.compress.write import check_out_folder, write_folder
     from flowgeom.compress.perplexity import EvalConfig, perplexity
-    from flowgeom.compress.run import MIXED, family_roles
-    from flowgeom.compress.source import build_model, is_native, load_dense
+    from flowgeom.compress.run import for_family
+    from flowgeom.compress.source import build_model, load_dense
     from flowgeom.runs import atomic_write_json
 
     budgets = sorted(set(budgets))
     path = source_path(source)
     check_out_folder(path, out, force=force)
     cfg, state = load_dense(path)
-    config = family_roles(config, cfg)
-    if not is_native(cfg) and config.method in DROP_METHODS + (MIXED,):
-        raise FlowgeomError(f"--method {config.method} drops Llama blocks; for a {cfg.model_type} model sweep a "
-                            "low-rank method (whiten, basis-sharing, share, continuity or svd)")
+    config = for_family(config, cfg)
     check_weights(state, config.roles, cfg.num_hidden_layers)
     tokenizer = model_tokenizer(path)
     if tokenizer is None:
