@@ -8,7 +8,7 @@
     .venv/bin/python benchmarks/continuity_scale.py run --dir /work/scratch/llama70b   # per-layer time, extrapolated
     .venv/bin/python benchmarks/continuity_scale.py run --dir /work/scratch/llama8b --device cuda  # NOT YET RUN here
     # 3. flat vs decaying spectra at one shape (in process, interleaved, 1 BLAS thread)
-    .venv/bin/python benchmarks/continuity_scale.py flat --shape 3072x3072 --layers 3
+    .venv/bin/python benchmarks/continuity_scale.py flat --shape 3072x3072 --layers 3 [--ks 1,2,4,8,16]
 
 Shapes (``SHAPES``): Llama-3.1-8B has 32 layers, d 4096, 32 query / 8
 key-value heads of 128 (q, o 4096x4096; k, v 1024x4096), MLP 14336 (gate,
@@ -234,8 +234,9 @@ def _table(summary: dict) -> list[str]:
     return head
 
 
-def flat(shape: tuple[int, int], layers: int, reps: int) -> None:
-    """Time ``layers`` Gaussian (flat) vs planted (decaying) float32 matrices of ``shape``, interleaved, 1 thread."""
+def flat(shape: tuple[int, int], layers: int, reps: int, k: int = 8) -> None:
+    """Time ``layers`` Gaussian (flat) vs planted (decaying) float32 matrices of ``shape``, interleaved, 1 thread,
+    ``k`` top pairs (issue 41: every k from 1 to 16 within 10 s at 3 x 3072^2; ``--ks 1,2,4,8,16`` sweeps it)."""
     from threadpoolctl import threadpool_limits
 
     from flowgeom.continuity import AnalyzeConfig, analyze
@@ -245,7 +246,7 @@ def flat(shape: tuple[int, int], layers: int, reps: int) -> None:
     flat_sd = {f"model.layers.{i}.mlp.down_proj.weight": torch.randn(m, n, generator=g) for i in range(layers)}
     role = _Role("down", m, n, seed=1)
     decay_sd = {f"model.layers.{i}.mlp.down_proj.weight": role.next().float() for i in range(layers)}
-    cfg = AnalyzeConfig(dtype="float32", workers=1)
+    cfg = AnalyzeConfig(dtype="float32", workers=1, k=k)
     times, cpu = {"flat": [], "decaying": []}, {"flat": [], "decaying": []}
     depth = {}
     torch.set_num_threads(1)
@@ -258,7 +259,7 @@ def flat(shape: tuple[int, int], layers: int, reps: int) -> None:
                 cpu[name].append(time.process_time() - c0)
                 depth[name] = [s["krylov_depth"] for s in rep["roles"]["down"]["spectra"]]
     best, cpu = {k: min(v) for k, v in times.items()}, {k: min(v) for k, v in cpu.items()}
-    print(f"{layers} x {m}x{n} float32, 1 thread, best of {reps} (load {os.getloadavg()[0]:.2f}): "
+    print(f"{layers} x {m}x{n} float32, k={k}, 1 thread, best of {reps} (load {os.getloadavg()[0]:.2f}): "
           f"flat {best['flat']:.2f} s wall / {cpu['flat']:.2f} s CPU (Krylov depth {depth['flat']}), decaying "
           f"{best['decaying']:.2f} s / {cpu['decaying']:.2f} s (depth {depth['decaying']}); flat / decaying = "
           f"{best['flat'] / best['decaying']:.2f} wall, {cpu['flat'] / cpu['decaying']:.2f} CPU")
@@ -282,6 +283,7 @@ def main() -> None:
     f.add_argument("--shape", default="3072x3072", help="MxN (default 3072x3072)")
     f.add_argument("--layers", type=int, default=3)
     f.add_argument("--reps", type=int, default=2)
+    f.add_argument("--ks", default="8", help="top-k values to time, e.g. 1,2,4,8,16 (default 8)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.cmd == "write":
@@ -290,7 +292,8 @@ def main() -> None:
         run(args.dir, args.results, args.device, args.threads, args.extra)
     else:
         m, n = (int(x) for x in args.shape.lower().split("x"))
-        flat((m, n), args.layers, args.reps)
+        for k in (int(x) for x in args.ks.split(",")):
+            flat((m, n), args.layers, args.reps, k)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ Both models are ``transformers.LlamaForCausalLM`` in float32: the factored one f
   time per new token;
 
 each at 1 BLAS thread and at all threads, dense and factored interleaved ``--repeats`` times in one
-process; the median of each and their ratio are printed. Bytes: ``FOLDER/model.safetensors`` against the
+process; the median of each and their ratio are printed. Bytes: the folder's safetensors against the
 dense model's parameters in the folder's dtype (tied embeddings once), and against the source file when
 that is quantised.
 """
@@ -68,6 +68,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     args = ap.parse_args()
     from flowgeom.compress import load
+    from flowgeom.compress.folder import weights_path
     from flowgeom.compress.run import source_path
 
     folder = Path(args.folder)
@@ -103,10 +104,11 @@ def main() -> None:
             unit = "s" if per == 1 else "s/token"
             print(f"  {name:8s} {threads:2d} thread(s): dense {d:.4f} {unit}, factored {f:.4f} {unit}, "
                   f"ratio {f / d:.3f}")
-    size = (folder / "model.safetensors").stat().st_size
+    size = weights_path(folder).stat().st_size
     dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(report.get("dtype"), torch.float32)
     dense_bytes = params_bytes(models["dense"], dtype)
-    print(f"  bytes: model.safetensors {size / 1e6:.1f} MB, the dense model in {report.get('dtype', 'float32')} "
+    print(f"  bytes: {weights_path(folder).name} {size / 1e6:.1f} MB, the dense model in "
+          f"{report.get('dtype', 'float32')} "
           f"{dense_bytes / 1e6:.1f} MB: ratio {size / dense_bytes:.3f}")
     src = source_path(report["source"])
     if src.suffix == ".gguf":

@@ -25,7 +25,7 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src" / "flowgeom"
 
 # Modules under everything: they import only each other.
-FOUNDATION = {"errors", "files", "limits", "memory", "options", "runs"}
+FOUNDATION = {"after_import", "errors", "files", "limits", "memory", "options", "runs"}
 # What each bottom package may import (besides itself).
 ALLOWED = {
     "io": {"errors", "files", "limits", "memory"},

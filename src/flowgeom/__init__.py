@@ -13,3 +13,10 @@ from flowgeom.errors import FlowgeomError
 
 __version__ = "0.1.0"
 __all__ = ["FlowgeomError", "__version__"]
+
+# transformers' Auto classes learn factored folders once their modules are imported, before or after flowgeom
+# (flowgeom.compress.auto); transformers itself is never imported here.
+from flowgeom.after_import import when_imported as _when_imported  # noqa: E402 - after the names above
+
+_when_imported("transformers.models.auto.configuration_auto", "flowgeom.compress.auto:register_config")
+_when_imported("transformers.models.auto.modeling_auto", "flowgeom.compress.auto:register_model")

@@ -67,3 +67,16 @@ def require(need: int, what: str, fix: str, *, device: str | torch.device = "cpu
     if cli_fix is not None:
         raise InputError(problem, python_fix=fix, cli_fix=cli_fix)
     raise FlowgeomError(f"{problem}; {fix}")
+
+
+def trim_heap() -> None:
+    """Hand freed heap memory back to the system (glibc's ``malloc_trim``). glibc raises its mmap threshold to the
+    size of the largest block freed (up to 32 MB), so the many few-MB tensors of a layer-by-layer pass come from
+    the heap, and the freed ones stay resident, fragmented: each layer's work stacks on the leftovers of the one
+    before (SmolLM2's calibration gradients peaked 0.35 GB higher without it). Elsewhere than glibc: nothing."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

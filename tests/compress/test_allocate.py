@@ -92,6 +92,134 @@ def test_first_order_estimate_is_the_weight_gradient_along_each_component(traine
         assert (got - want).abs().max() <= 1e-4 * want.abs().max() + 1e-9, u
 
 
+def _whole_model_sensitivity(model, ids, probes, batch=2):
+    """The estimates of :func:`sensitivity` by one backward through the whole model per batch (every block's
+    activations held at once): the independent reference for its block-by-block backward."""
+    from flowgeom.compress.arch import runner
+    from flowgeom.compress.calibrate import logits_of
+
+    run = runner(model)
+    n_targets = ids.shape[0] * (ids.shape[1] - 1)
+    first = {k: torch.zeros(P.shape[1], dtype=torch.float64) for k, (P, _) in probes.items()}
+    fisher = {k: torch.zeros(P.shape[1], dtype=torch.float64) for k, (P, _) in probes.items()}
+
+    def watch(key):
+        P, Q = (t.float() for t in probes[key])
+        rows = run.arch.slots[key[1]].rows  # a role inside a fused projection
+
+        def hook(_m, args, out):
+            x = args[0].detach()
+
+            def on_grad(g):
+                g = g if rows is None else g[..., list(rows)]
+                ab = (g.reshape(-1, g.shape[-1]) @ P) * (x.reshape(-1, x.shape[-1]) @ Q.T)  # (B T, r)
+                first[key].sub_(ab.sum(0).double())
+                fisher[key].add_(ab.double().square().sum(0) * (n_targets / 2))
+            out.register_hook(on_grad)
+        return hook
+
+    for size in {min(batch, len(ids) - i) for i in range(0, len(ids), batch)}:
+        run.prepare(size, ids.shape[1], torch.float32)  # a transformers model's block arguments, before the hooks
+    handles = [run.layers[l].get_submodule(run.arch.slots[r].path).register_forward_hook(watch((l, r)))
+               for l, r in probes]
+    model.requires_grad_(False)
+    total = 0.0
+    for i in range(0, len(ids), batch):
+        x = ids[i:i + batch]
+        logits = logits_of(model, x, root=True)  # (B, T, vocab)
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), x[:, 1:].reshape(-1),
+                               reduction="sum") / n_targets
+        loss.backward()
+        total += float(loss.detach())
+    for handle in handles:
+        handle.remove()
+    return {k: (first[k], fisher[k]) for k in probes}, total
+
+
+@pytest.mark.parametrize("method", ["whiten", "basis-sharing"])
+def test_block_by_block_sensitivity_is_the_whole_model_backward(trained, method):
+    """The gradients of the checkpointed backward (the head run one sequence at a time) are the whole-model
+    backward's, bit for bit, from probes in memory or read from disk one unit at a time; the loss, summed in
+    another order, to rounding."""
+    from flowgeom.compress.store import FactorFiles, TensorFiles
+
+    cfg, model, state, ids, calib = trained
+    p = C.plan(method, state, n_layers=3, ratio=0.3, group=2)
+    factors = C.full_factors(p, state, calib)
+    want, want_loss = _whole_model_sensitivity(model, ids, C.probes(p.units, factors))
+    on_disk = C.full_factors(p, state, calib, out=FactorFiles(TensorFiles.temporary()))
+    for probes in (C.probes(p.units, factors), C.probes(p.units, on_disk)):
+        got, loss = sensitivity(model, ids, probes)
+        assert loss == pytest.approx(want_loss, rel=1e-6) and list(got) == list(want)  # summed per sequence
+        for key in want:
+            assert torch.equal(got[key][0], want[key][0]) and torch.equal(got[key][1], want[key][1]), key
+    for f, g in zip(factors, on_disk):
+        assert f.space == g.space and f.shift == g.shift and torch.equal(f.basis, g.basis)
+        assert torch.equal(f.sigma, g.sigma) and all(torch.equal(a, b) for a, b in zip(f.coeffs, g.coeffs))
+
+
+@pytest.mark.parametrize("model_type", ["phi3", "gpt2"])
+def test_block_by_block_sensitivity_is_the_whole_model_backward_of_a_transformers_family(model_type):
+    """The same through a transformers model's own blocks (their captured arguments), fused q|k|v rows
+    (Phi-3) and GPT-2's transposed Conv1D included."""
+    pytest.importorskip("transformers")
+    from flowgeom.compress.arch import arch_of, role_state
+    from flowgeom.hf.tiny import tiny_model
+
+    def fresh():  # calibration's inference mode would leave its captured block arguments on a model it ran
+        return tiny_model(model_type, seed=0, dtype=torch.float32, vocab_size=VOCAB).eval()
+
+    model = fresh()
+    L = model.config.num_hidden_layers
+    state = role_state(arch_of(model.config), dict(model.state_dict()), L)
+    ids = _markov(6, 24, 3)
+    p = C.plan("whiten", state, n_layers=L, ratio=0.3, roles=arch_of(model.config).roles)
+    factors = C.full_factors(p, state, calibrate(fresh(), ids))
+    want, want_loss = _whole_model_sensitivity(model, ids, C.probes(p.units, factors))
+    got, loss = sensitivity(model, ids, C.probes(p.units, factors))
+    assert loss == pytest.approx(want_loss, rel=1e-6) and list(got) == list(want)  # summed per sequence
+    assert all(torch.equal(got[k][0], want[k][0]) and torch.equal(got[k][1], want[k][1]) for k in want)
+
+
+def test_compress_run_writes_the_factors_of_the_in_memory_pipeline(tiny, tmp_path, capsys):
+    """``compress run`` (Grams and full-rank factors waiting on disk, the model's weights not copied, gradients
+    block by block) writes exactly the tensors of the pipeline held in memory: calibrate, full-rank factors,
+    a whole-model backward, the allocation, the truncated factors. With the cache cold, warm, and off."""
+    from safetensors.torch import load_file
+
+    from flowgeom.compress.calibrate import GRAD_TOKENS
+    from flowgeom.compress.folder import factored_tensors
+    from flowgeom.compress.run import calibration_ids
+    from flowgeom.compress.source import view_model
+    from flowgeom.compress.store import cache_root
+    from flowgeom.data.tokens import load_tokenizer
+    from flowgeom.nn.llama import llama_state_dict
+
+    cfg, state = llama_state_dict(tiny)
+    ids = calibration_ids(tiny, str(tiny.parent / "calib.txt"), 512, 512, load_tokenizer(tiny))
+    calib = calibrate(llama_from_state(cfg, state), ids)
+    L = cfg.num_hidden_layers
+    p = C.plan("whiten", state, n_layers=L, ratio=0.2, calib=calib)
+    units = p.units + p.dense
+    factors = C.full_factors(p, state, calib)
+    sens, _ = _whole_model_sensitivity(llama_from_state(cfg, state), ids[: max(1, GRAD_TOKENS // 512)],
+                                       C.probes(units, factors))
+    ranks = A.allocate(C.candidates(units, sens), math.ceil(0.2 * sum(u.dense_params for u in units)))
+    new = C.with_ranks(p, units, ranks, "")
+    full = {(u.role, u.space, u.layers): f for u, f in zip(units, factors)}
+    want, _ = factored_tensors(C.compress(new, state, calib, full=full), state, tie=cfg.tie_word_embeddings)
+    for name, argv in (("cold", []), ("warm", []), ("off", ["--no-cache"])):
+        out = tmp_path / name
+        code, _, err = _share(capsys, tiny, out, *argv)
+        assert code == 0, err
+        [weights] = out.glob("*.safetensors")
+        got = load_file(str(weights))
+        assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want), name
+    assert not any((cache_root() / "scratch").iterdir())  # the scratch folders went with the run
+    model = view_model(cfg, state)  # what calibration and the gradients run: the weights themselves
+    assert all(model.get_parameter(k).data_ptr() == t.data_ptr() for k, t in state.items())
+
+
 def test_second_order_estimate_predicts_the_loss_of_removing_one_component(trained):
     """Taylor (first + Fisher) against the measured loss change of removing single components; first order
     alone misses the curvature of the large ones."""

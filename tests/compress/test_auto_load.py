@@ -1,5 +1,6 @@
 """A factored folder loads correctly through transformers' Auto classes once flowgeom is imported, and fails
-loudly (transformers' unknown-model-type error) without it: never as a Llama with random projections."""
+loudly without it (an error naming flowgeom.compress.load): never as a Llama with random projections. Every route
+in every import order: test_load_routes.py."""
 
 from __future__ import annotations
 
@@ -31,15 +32,19 @@ def factored(capsys, tiny, tmp_path):  # noqa: F811
 
 
 def test_a_factored_folder_names_its_own_model_type(factored):
+    from flowgeom.compress.auto import FACTORED_TYPE, REFUSAL
+    from flowgeom.compress.folder import WEIGHTS_NAME
+
     cfg = json.loads((factored / "config.json").read_text())
-    assert cfg["model_type"] == "flowgeom_factored" and cfg["flowgeom_base_model_type"] == "llama"
-    assert cfg["architectures"] == ["FlowgeomFactoredForCausalLM"]
+    assert cfg["model_type"] == FACTORED_TYPE and cfg["flowgeom_base_model_type"] == "llama"
+    assert cfg["architectures"] == ["FlowgeomFactoredForCausalLM"] and cfg["transformers_weights"] == REFUSAL
+    assert (factored / WEIGHTS_NAME).is_file() and not (factored / "model.safetensors").exists()
 
 
 def test_without_flowgeom_transformers_refuses_the_folder(factored):
     run = _python(f"import transformers\ntransformers.AutoModelForCausalLM.from_pretrained({str(factored)!r})")
     assert run.returncode != 0
-    assert "flowgeom_factored" in run.stderr and "ValueError" in run.stderr, run.stderr[-2000:]
+    assert "flowgeom.compress.load" in run.stderr and "ValueError" in run.stderr, run.stderr[-2000:]
 
 
 def test_with_flowgeom_imported_auto_classes_load_the_factored_model(factored):

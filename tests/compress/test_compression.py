@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -86,10 +87,17 @@ def test_calibration_cache_is_reused_and_a_tampered_file_recomputed(tiny, tmp_pa
     assert not hit
     again, hit = cached_calibration(model, state, ids, cache=tmp_path / "g")
     assert hit and torch.equal(again.grams[2]["down"], first.grams[2]["down"])
-    [path] = list((tmp_path / "g").iterdir())
+    [folder] = list((tmp_path / "g").iterdir())  # one block per file, then calibration.json
+    assert sorted(p.name for p in folder.iterdir()) == ["0.safetensors", "1.safetensors", "2.safetensors",
+                                                        "3.safetensors", "calibration.json"]
+    want = first.grams[2]["down"].clone()
+    path = folder / "1.safetensors"
     path.write_bytes(path.read_bytes()[:-64])  # truncated
     third, hit = cached_calibration(model, state, ids, cache=tmp_path / "g")
-    assert not hit and torch.equal(third.grams[2]["down"], first.grams[2]["down"])
+    assert not hit and torch.equal(third.grams[2]["down"], want) and torch.equal(third.grams[1]["o"],
+                                                                                   calibrate(model, ids).grams[1]["o"])
+    (folder / "calibration.json").unlink()  # killed before the end: measured again
+    assert not cached_calibration(model, state, ids, cache=tmp_path / "g")[1]
     other = dict(state)
     other["model.layers.0.mlp.up_proj.weight"] = state["model.layers.0.mlp.up_proj.weight"] * 2
     _, hit = cached_calibration(llama_from_state(cfg, other), other, ids, cache=tmp_path / "g")
@@ -321,13 +329,32 @@ def test_nan_weights_are_refused_before_any_work(tiny, tmp_path, capsys):
     assert code == 2 and "v_proj" in err and "NaN" in err and not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("argv", [[], ["--method", "svd", "--rank", "8"], ["--method", "drop-bi"]])
+def test_a_tokenizer_larger_than_the_vocabulary_is_one_line_naming_both_sizes(tmp_path, monkeypatch, capsys, argv):
+    small = tiny_folder(tmp_path, monkeypatch, vocab_size=128)  # the byte tokenizer has 256 tokens
+    code, _, err = _share(capsys, small, tmp_path / "o", *argv)
+    assert code == 2 and "256 tokens" in err and "128 token embeddings" in err, err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "o").exists()
+
+
+def test_a_missing_source_lists_the_families_of_the_table(tmp_path, capsys):
+    from flowgeom.compress.arch import CAUSAL_FAMILIES
+
+    code, _, err = _run(capsys, "compress", "run", str(tmp_path / "nope"), "--out", str(tmp_path / "o"))
+    assert code == 2 and len(err.strip().splitlines()) == 1 and not (tmp_path / "o").exists()
+    assert all(family in err for family in CAUSAL_FAMILIES), err
+
+
+WEIGHTS = "flowgeom_factored.safetensors"  # a factored folder's tensors (flowgeom.compress.folder.WEIGHTS_NAME)
+
+
 @pytest.mark.parametrize("damage,message", [
     (lambda o: _edit_json(o, lambda m: m["units"][0].update(rank=m["units"][0]["rank"] + 1)), "has shape"),
     (lambda o: _edit_json(o, lambda m: m["units"].append(dict(m["units"][0]))), "factored twice"),
     (lambda o: _edit_json(o, lambda m: m.update(format="other")), "not a flowgeom-factored"),
-    (lambda o: (o / "model.safetensors").write_bytes((o / "model.safetensors").read_bytes()[:-100]), "model.safet"),
+    (lambda o: (o / WEIGHTS).write_bytes((o / WEIGHTS).read_bytes()[:-100]), "flowgeom_factored.safet"),
     (lambda o: (o / "flowgeom_factored.json").unlink(), None),
-    (lambda o: _int_codes(o / "model.safetensors"), "a quantised checkpoint; dequantise it"),  # the rule of HF/GGUF
+    (lambda o: _int_codes(o / WEIGHTS), "a quantised checkpoint; dequantise it"),  # the rule of HF/GGUF
 ])
 def test_a_damaged_factored_folder_is_one_line_exit_2(tiny, tmp_path, capsys, damage, message):
     out = tmp_path / "f"
@@ -428,3 +455,28 @@ def test_a_config_that_disagrees_with_a_later_layer_is_refused_before_any_work(t
     save_file(state, str(tiny / "model.safetensors"))
     code, _, err = _share(capsys, tiny, tmp_path / "o", "--method", "svd")
     assert code == 2 and key in err and "config implies [80, 48]" in err and not (tmp_path / "o").exists()
+
+
+def test_sweep_judges_each_point_heals_it_and_recommends_the_largest_budget_meeting_the_targets(tiny, tmp_path,
+                                                                                                 capsys):
+    out = tmp_path / "sweep"
+    code, stdout, err = _share(capsys, tiny, out, "--method", "whiten", "--budgets", "0.1,0.5", "--eval-tokens",
+                               "300", "--prompts", "3", "--heal", "256", "--seq-len", "64", "--heal-batch", "2",
+                               "--heal-text", str(tiny.parent / "calib.txt"), "--eval-texts",
+                               str(tiny.parent / "text.txt"), "--eval-tokens-heal", "128", "--json", verb="sweep")
+    assert code == 0, err
+    result = json.loads(stdout)
+    assert result["healed"] == 256 and result["judge"]["prompts"] == 3
+    for p in result["points"]:
+        assert 0 <= p["agreement"]["top1"] <= 1 and p["agreement"]["kl"] >= 0
+        assert set(p["generation"]) == {"loop_fraction", "distinct2", "prefix_agreement"}
+        assert p["targets"]["all"] == all(v for k, v in p["targets"].items() if k != "all")
+        healed = json.loads((Path(p["folder"]) / "flowgeom_share.json").read_text())
+        assert healed["heal"]["tokens"] == 256 and healed["budget"] == p["budget"]
+    met = [p["budget"] for p in result["points"] if p["targets"]["all"]]
+    assert result["recommended"] == (max(met) if met else None)
+    # the human table names the targets and the recommendation (or that none was met)
+    code, stdout, err = _share(capsys, tiny, tmp_path / "s2", "--method", "whiten", "--budgets", "0.1",
+                               "--eval-tokens", "300", "--prompts", "2", verb="sweep")
+    assert code == 0, err
+    assert "top-1 agree" in stdout and ("recommended budget: 10%" in stdout or "no budget meets" in stdout)

@@ -194,7 +194,7 @@ def test_without_flowgeom_a_factored_family_folder_is_refused(compressed):
     folder = compressed["gpt2"][1]
     code = f"import transformers\ntransformers.AutoModelForCausalLM.from_pretrained({str(folder)!r})"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert run.returncode != 0 and "flowgeom_factored" in run.stderr
+    assert run.returncode != 0 and "flowgeom.compress.load" in run.stderr
 
 
 def test_heal_trains_a_split_fused_projection_and_writes_a_loadable_folder(compressed, tmp_path):

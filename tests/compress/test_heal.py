@@ -12,7 +12,9 @@ from test_compression import _share, tiny  # noqa: F401 - the tiny HF Llama fold
 from test_share_evaluate import _run
 
 from flowgeom.compress.folder import dense_state, factored_llama, read_factored
-from flowgeom.compress.heal import HealConfig, distillation_loss, heal_folder, learning_rate, load_student
+from flowgeom.compress.heal import (
+    HealConfig, distillation_loss, heal_folder, learning_rate, load_student, sampled_rows, with_samples,
+)
 from flowgeom.errors import FlowgeomError
 from flowgeom.nn.llama import llama_from_state
 
@@ -224,3 +226,66 @@ def test_divergence_after_a_checkpoint_restores_that_checkpoint(capsys, tiny, tm
     _, _, kept = read_factored(out)
     assert all(torch.equal(kept[k], saved[4][k]) for k in saved[4])
     assert (tmp_path / "nan.heal" / "checkpoint.safetensors").is_file()  # a diverged run keeps its state
+
+
+# ---------------------------------------------------------------- levers: dense projections, sampled continuations
+
+def test_sampled_rows_hold_the_fractions_on_average_and_depend_on_the_step_only():
+    cfg = HealConfig(tokens=1 << 20, batch=4, on_policy=0.3, teacher_samples=0.2)
+    draws = [sampled_rows(k, cfg) for k in range(2000)]
+    assert draws == [sampled_rows(k, cfg) for k in range(2000)]  # a resumed run draws the same rows
+    assert all(s + t <= 4 for s, t in draws)
+    assert sum(s for s, _ in draws) / (4 * 2000) == pytest.approx(0.3, abs=0.01)
+    assert sum(t for _, t in draws) / (4 * 2000) == pytest.approx(0.2, abs=0.01)
+    assert all(sampled_rows(k, HealConfig(tokens=1 << 20, batch=4, on_policy=1.0, teacher_samples=0.0)) == (4, 0)
+               for k in range(50))
+    assert all(sampled_rows(k, HealConfig(tokens=1 << 20, batch=4, teacher_samples=0.0)) == (0, 0) for k in range(50))
+    assert HealConfig().teacher_samples == 0.5 and HealConfig(seq_len=64).sample_length == 32  # the defaults
+
+
+def test_with_samples_replaces_only_the_tails_of_the_sampled_rows(tiny):  # noqa: F811
+    from flowgeom.compress.agreement import continue_tokens
+    from flowgeom.nn.llama import load_llama
+
+    teacher = load_llama(tiny)
+    student = load_llama(tiny)
+    cfg = HealConfig(tokens=1 << 20, seq_len=40, batch=4, on_policy=0.5, teacher_samples=0.5, sample_tokens=16)
+    batch = torch.randint(0, 256, (4, 40), generator=torch.Generator().manual_seed(3))
+    out = with_samples(batch, student, teacher, 0, cfg)
+    assert torch.equal(out[:, :24], batch[:, :24]) and not torch.equal(out[:, 24:], batch[:, 24:])
+    assert out.requires_grad is False and not out.is_inference()
+    # the sampled tails are the models' own samples of the text before them, reproducible from (seed, step)
+    assert torch.equal(out, with_samples(batch, student, teacher, 0, cfg))
+    gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + 0 + 104_729)
+    want = continue_tokens(student, batch[:2, :24], 16, temperature=1.0, generator=gen)
+    assert torch.equal(out[:2, 24:], want)
+
+
+def test_train_dense_adds_the_projections_left_dense_and_writes_them(capsys, tiny, tmp_path):  # noqa: F811
+    out = tmp_path / "w"
+    code, _, err = _share(capsys, tiny, out, "--method", "whiten", "--budget", "0.2", "--roles", "q,gate")
+    assert code == 0, err
+    plain = load_student(out)
+    both = load_student(out, train_dense=True, norms=True)
+    extra = set(both.trainable) - set(plain.trainable)
+    assert extra and all(".layers." in k for k in extra if not k.endswith("norm.weight"))
+    assert any(k.endswith("down_proj.weight") for k in extra) and any(k.endswith("norm.weight") for k in extra)
+    # nearly lossless (first KL ~1e-4): the 4x divergence guard would trip on noise; not what this test is about
+    result = heal_folder(out, tmp_path / "h", _cfg(tiny, train_dense=True, norms=True, on_policy=0.5, diverge=1e6,
+                                                  sample_tokens=16, tokens=4 * 64 * 2))
+    assert result["steps"] == 4
+    _, _, before = read_factored(out)
+    _, _, after = read_factored(tmp_path / "h")
+    moved = [k for k in extra if k in before and not torch.equal(before[k], after[k])]
+    assert any(k.endswith("down_proj.weight") for k in moved)
+
+
+@pytest.mark.parametrize("over, message", [
+    (dict(on_policy=1.5), "--on-policy 1.5 is above 1"),
+    (dict(on_policy=0.6, teacher_samples=0.6), "add up to more than the whole batch"),
+    (dict(on_policy=0.5, sample_tokens=256), "leaves no text to continue"),
+    (dict(teacher_samples=-0.1), "--teacher-samples"),
+])
+def test_bad_sampling_settings_are_refused(over, message):
+    with pytest.raises(FlowgeomError, match=message):
+        HealConfig(**over)

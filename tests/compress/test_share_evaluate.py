@@ -343,7 +343,7 @@ def test_share_never_overwrites_its_source(tiny_folder, tmp_path, capsys):
     assert code == 2 and "--force" in err and (busy / "keep.txt").read_text() == "mine"
     assert _run(capsys, "compress", "run", *_opts(tiny_folder), str(tiny_folder), "--out", str(busy), "--rank", "2", "--force",
                 "--space", "output", "--json")[0] == 0
-    assert not (busy / "keep.txt").exists() and (busy / "model.safetensors").is_file()
+    assert not (busy / "keep.txt").exists() and (busy / "flowgeom_factored.safetensors").is_file()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".busy")]  # no temporary folder left behind
 
 

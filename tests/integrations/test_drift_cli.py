@@ -143,6 +143,28 @@ def test_bad_series_are_one_clear_error_and_exit_2(tmp_path, tiny_llama, capsys)
         assert err and err[-1].startswith(("flowgeom", "usage")) and "Traceback" not in "\n".join(err)
 
 
+def test_a_trainer_output_folder_points_to_its_checkpoint_folders(tmp_path, tiny_llama, capsys):
+    out = tmp_path / "out"
+    model = tiny_llama()
+    for step in (10, 5, 15):  # checkpoint-10 sorts before checkpoint-5 in the shell: listed by step
+        model.save_pretrained(out / f"checkpoint-{step}")
+    (out / "runs").mkdir()  # TensorBoard logs beside them are not checkpoints
+    capsys.readouterr()  # transformers' save progress
+    expected = "(checkpoint-5, checkpoint-10, checkpoint-15), e.g. flowgeom conserve drift"
+    for argv in (["conserve", "drift", str(out)], ["conserve", "drift", str(out), str(out / "checkpoint-5")]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and expected in err and str(out / "checkpoint-*") in err, err
+        assert ".bin" not in err
+    model.save_pretrained(out)  # trainer.save_model() put the final weights into the output folder too
+    capsys.readouterr()
+    assert main(["conserve", "drift", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and expected in err, err
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-10", "checkpoint-15", "checkpoint-5", "config.json",
+                                                     "generation_config.json", "model.safetensors", "runs"]
+
+
 def test_help_has_an_example(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["conserve", "drift", "--help"])

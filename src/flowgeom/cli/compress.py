@@ -24,6 +24,8 @@ def heal_config(args: argparse.Namespace, tokens: int):
 
     return HealConfig(tokens=tokens, seq_len=args.seq_len, batch=args.heal_batch, lr=args.lr,
                       optimizer=args.optimizer, temperature=args.temperature, norms=args.norms,
+                      train_dense=args.train_dense, on_policy=args.on_policy, teacher_samples=args.teacher_samples,
+                      sample_tokens=args.sample_tokens,
                       text=args.heal_text, eval_texts=tuple(args.eval_texts or HELD_OUT), eval_every=args.eval_every,
                       eval_tokens=args.eval_tokens_heal, checkpoint_every=args.checkpoint_every, seed=args.seed,
                       teacher=args.teacher)
@@ -75,7 +77,19 @@ def add_heal_flags(p: argparse.ArgumentParser, *, tokens_flag: str | None) -> No
                         "regulariser on every factor)")
     p.add_argument("--temperature", type=finite_float(0.0), default=0.0,
                    help="--optimizer langevin: the SDE's temperature (default 0: regularised gradient descent)")
-    p.add_argument("--norms", action="store_true", help="also train the RMSNorm gains")
+    p.add_argument("--norms", action=argparse.BooleanOptionalAction, default=True,
+                   help="also train the RMSNorm gains (default: yes)")
+    p.add_argument("--train-dense", action=argparse.BooleanOptionalAction, default=True,
+                   help="also train the projections the rank allocation left dense (default: yes)")
+    p.add_argument("--on-policy", type=finite_float(0.0, 1.0), default=0.0, metavar="FRACTION",
+                   help="fraction of each batch whose last --sample-tokens tokens are the student's own samples, "
+                        "scored by the teacher (on-policy distillation; default 0)")
+    p.add_argument("--teacher-samples", type=finite_float(0.0, 1.0), default=0.5, metavar="FRACTION",
+                   help="fraction of each batch whose last --sample-tokens tokens are the teacher's samples "
+                        "(sequence-level KD; default 0.5)")
+    p.add_argument("--sample-tokens", type=bounded_int(1, 1 << 16),
+                   help="sampled tokens at the end of a sampled sequence, after its text prompt (default 64, at "
+                        "most half of --seq-len)")
     p.add_argument("--heal-text", default="kjv+pydoc", metavar="TEXT",
                    help="healing text: the train split of kjv, pydoc, a mix such as kjv+pydoc (default: the KJV and "
                         "the Python reference's prose, chunk for chunk), or a UTF-8 file; never the held-out text")

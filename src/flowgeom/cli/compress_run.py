@@ -84,10 +84,18 @@ def run_compress(args: argparse.Namespace) -> int:
 def run_sweep(args: argparse.Namespace) -> int:
     from flowgeom.compress.sweep import sweep_budgets
 
+    from flowgeom.compress.agreement import GenerationConfig
+
     config = _share_config(args, budget=args.budgets[0])  # every option checked before any work
+    judge = None if args.no_generation else GenerationConfig(prompts=args.prompts)
+    healing = None
+    if args.heal is not None:
+        from flowgeom.cli.compress import heal_config
+
+        healing = heal_config(args, args.heal)
     with stage_progress(not args.json) as update:
         result = sweep_budgets(args.source, Path(args.out), config, args.budgets, force=args.force,
-                               eval_tokens=args.eval_tokens, progress=update)
+                               eval_tokens=args.eval_tokens, progress=update, judge=judge, heal=healing)
     return _show(args, result, _print_sweep)
 
 
@@ -144,13 +152,31 @@ def _print_sweep(result: dict) -> None:
 
     table = Table(title=f"{escape(result['source'])}: {result['method']} sweep, held-out ppl "
                         f"({result['eval_tokens']:,} tokens; reference {result['reference_ppl']:.3f})")
-    for col in ("budget asked", "saved", "ppl", "× reference"):
+    judged = result.get("judge") is not None
+    cols = ("budget asked", "saved", "ppl", "× reference") + (("top-1 agree", "loops", "distinct-2", "targets")
+                                                               if judged else ())
+    for col in cols:
         table.add_column(col, justify="right")
     for row in result["points"]:
-        table.add_row(f"{100 * row['budget']:g}%", f"{100 * row['saved_fraction']:.2f}%", f"{row['ppl']:.3f}",
-                      f"{row['ppl_ratio']:.3f}")
+        cells = [f"{100 * row['budget']:g}%", f"{100 * row['saved_fraction']:.2f}%", f"{row['ppl']:.3f}",
+                 f"{row['ppl_ratio']:.3f}"]
+        if judged:
+            missed = [k for k, ok in row["targets"].items() if k != "all" and not ok]
+            cells += [f"{row['agreement']['top1']:.1%}", f"{row['generation']['loop_fraction']:.0%}",
+                      f"{row['generation']['distinct2']:.2f}", "met" if not missed else "missed: " + ", ".join(missed)]
+        table.add_row(*cells)
     out = console()
     out.print(table)
+    if judged:
+        j = result["judge"]
+        ref = j["reference_generation"]
+        out.print(f"judged against the dense model on {escape(j['text'])} ({j['prompts']} prompts x {j['new_tokens']} "
+                  f"greedy tokens; dense: loops {ref['loop_fraction']:.0%}, distinct-2 {ref['distinct2']:.2f}); "
+                  f"{'healed ' + format(result['healed'], ',') + ' tokens each' if result['healed'] else 'not healed'}"
+                  "; targets: top-1 >= 80%, loops <= dense + 10 points, distinct-2 >= 0.9x dense")
+        rec = result["recommended"]
+        out.print(f"recommended budget: {100 * rec:g}%" if rec is not None else
+                  "[bold yellow]no budget meets the targets[/]: heal longer (--heal TOKENS) or sweep smaller budgets")
     out.print(f"curve: {escape(result['json'])}; figure: {escape(result['figure'])}")
 
 
@@ -160,11 +186,16 @@ def run_evaluate(args: argparse.Namespace) -> int:
     from flowgeom.compress.evaluate import compare_models
     from flowgeom.compress.perplexity import QUICK_TOKENS, EvalConfig
 
+    from flowgeom.compress.agreement import GenerationConfig
+
     max_tokens = args.tokens or (None if args.full else QUICK_TOKENS)
     config = EvalConfig(context=args.context, stride=args.stride, max_tokens=max_tokens, batch=args.batch)
+    generation = None if args.no_generation else GenerationConfig(prompts=args.prompts, new_tokens=args.new_tokens,
+                                                                 text=args.prompt_text)
     with stage_progress(not args.json) as update:
         result = compare_models([args.source, *(args.compare or [])], text=args.text, config=config,
-                                device=resolve_device(args.device), out=args.out, progress=update)
+                                device=resolve_device(args.device), out=args.out, progress=update,
+                                generation=generation, generate=args.generate or ())
     return _show(args, result, _print_evaluate)
 
 
@@ -184,12 +215,45 @@ def _print_evaluate(result: dict) -> None:
                       "-" if saved is None else f"{saved:,}", row["stored"], f"{row['weight_bytes'] / 1e6:.0f}",
                       "-" if row["stored"] == "gguf" else f"{row['bytes_ratio']:.3f}", f"{row['seconds']:.1f}")
     console().print(table)
+    _print_agreement(result)
     first = result["models"][0]
     console().print(f"× dense bytes: weight files against the first model's {first['params']:,} parameters stored "
                     "densely in the same dtype" + (f"; {escape(first['model'])} itself is a quantised GGUF of "
                                                     f"{first['weight_bytes'] / 1e6:.0f} MB, which a float "
                                                     "compressed folder does not undercut"
                                                     if first["stored"] == "gguf" else ""))
+
+
+def _print_agreement(result: dict) -> None:
+    """Agreement with the first model and generation health; each model's continuation of --generate prompts."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    rows, gen = result["models"], result.get("generation")
+    if gen is not None or len(rows) > 1:
+        title = "agreement with the first model (teacher-forced on the same windows)"
+        if gen is not None:
+            title += (f"; greedy generation: {gen['prompts']} {escape(gen['text'])} prompts x {gen['new_tokens']} "
+                      f"tokens, loop = a {gen['loop_ngram']}-gram >= {gen['loop_repeats']} times")
+        table = Table(title=title)
+        for col in ("model", "top-1 agree", "KL nats", "loops", "distinct-2", "prefix tokens"):
+            table.add_column(col, justify="left" if col == "model" else "right")
+        for row in rows:
+            agree, health = row.get("agreement"), row.get("generation") or {}
+            prefix = health.get("prefix_agreement")
+            table.add_row(escape(row["model"]), "-" if agree is None else f"{agree['top1']:.1%}",
+                          "-" if agree is None else f"{agree['kl']:.3f}",
+                          f"{health['loop_fraction']:.0%}" if health else "-",
+                          f"{health['distinct2']:.2f}" if health else "-",
+                          "-" if prefix is None else f"{prefix:.1f}")
+        console().print(table)
+    for i, prompt in enumerate(result.get("generate_prompts") or []):
+        table = Table(title=f"greedy continuations of {prompt!r}", show_lines=True)
+        table.add_column("model")
+        table.add_column("continuation")
+        for row in rows:
+            table.add_row(escape(row["model"]), escape(row["generate"][i]))
+        console().print(table)
 
 
 # ---------------------------------------------------------------- registration
@@ -281,14 +345,24 @@ def register_verbs(verbs) -> None:
     p.add_argument("--budgets", type=_budgets, required=True, metavar="B1,B2,...",
                    help="fractions of the roles' parameters to save, one point each")
     p.add_argument("--eval-tokens", type=bounded_int(2), default=4096,
-                   help="held-out KJV tokens scored per point (default 4096)")
+                   help="held-out KJV tokens scored per point, and out-of-domain tokens for agreement (default 4096)")
+    p.add_argument("--prompts", type=bounded_int(1, 4096), default=24, metavar="N",
+                   help="out-of-domain prompts whose greedy continuations judge each point (default 24)")
+    p.add_argument("--no-generation", action="store_true", help="perplexity only: no agreement, no generation")
+    p.add_argument("--heal", type=positive_int, metavar="TOKENS",
+                   help="write each point to OUT-b<budget>/ and heal it on TOKENS tokens before judging it")
+    from flowgeom.cli.compress import add_heal_flags
+
+    add_heal_flags(p, tokens_flag=None)
     add_threads(p)
     add_json(p)
 
-    p = command(verbs, "evaluate", help="perplexity of models on a held-out text (KJV test split by default)",
+    p = command(verbs, "evaluate", help="perplexity, agreement with the first model and generation health of models "
+                                         "on held-out text (KJV test split by default)",
                 example="flowgeom compress evaluate builtin:smollm2 --compare runs/c20     # quick, ~4k tokens\n"
                         "flowgeom compress evaluate builtin:smollm2 --compare runs/c20 --text fortunes --full\n"
-                        "flowgeom compress evaluate builtin:smollm2 --full --context 1024 --json",
+                        "flowgeom compress evaluate builtin:smollm2 --full --context 1024 --json\n"
+                        "flowgeom compress evaluate builtin:smollm2 --compare runs/c20 --generate 'Once upon a time'",
                 func=run_evaluate)
     p.add_argument("source", help="reference model (its tokenizer is used for all): .gguf, builtin:smollm2, HF folder")
     p.add_argument("--compare", nargs="+", metavar="DIR", help="more models to evaluate on the same tokens")
@@ -301,6 +375,18 @@ def register_verbs(verbs) -> None:
     p.add_argument("--batch", type=positive_int(maximum=1024), default=1, help="windows per forward call (default 1)")
     p.add_argument("--text", default="kjv", help="kjv (held-out split: last 5%% of verses, default), fortunes "
                         "(out-of-domain English quotes, 660k tokens), pydoc (its test split) or a text file")
+    p.add_argument("--prompts", type=bounded_int(1, 4096), default=24, metavar="N",
+                   help="held-out prompts (the first 8 words of paragraphs of --prompt-text) continued greedily "
+                        "to judge generation: loops, distinct-2, prefix shared with the first model (default 24)")
+    p.add_argument("--no-generation", action="store_true", help="skip the generation health (perplexity and "
+                   "teacher-forced agreement only)")
+    p.add_argument("--new-tokens", type=bounded_int(1, 4096), default=48, metavar="N",
+                   help="greedy tokens per prompt (default 48)")
+    p.add_argument("--prompt-text", default="fortunes", metavar="TEXT",
+                   help="where the prompts come from (default fortunes: out of domain, never calibrated or "
+                        "healed on)")
+    p.add_argument("--generate", action="append", metavar="PROMPT",
+                   help="print every model's greedy continuation of PROMPT side by side (repeatable)")
     p.add_argument("--out", metavar="FILE", help="also write the JSON result to FILE (atomically)")
     add_device(p)
     add_threads(p, also="on a shared, loaded machine --threads 1 can be many times faster")

@@ -115,13 +115,17 @@ def print_report(report: dict) -> None:
         cells = []
         for key, _ in shown:
             m = r["metrics"][key]
-            cells.append(f"{m['mean']:.3f}±{m['std']:.3f} ({m['baseline']:.3f}, {m['ratio']:.1f}×)")
+            ci = m.get("ci", False)  # False: not sketched; None: sketched without an interval (one probe)
+            interval = "" if ci is False else " [no interval]" if ci is None else f" [{ci[0]:.3f}, {ci[1]:.3f}]"
+            cells.append(escape(f"{m['mean']:.3f}±{m['std']:.3f}{interval} ({m['baseline']:.3f}, {m['ratio']:.1f}×)"))
         label = role + (" (+LoRA)" if r.get("merged_lora") else "")
         table.add_row(escape(label), "×".join(map(str, r["shape"])), *cells, r["verdict"])
     out = console()
     out.print(table)
     out.print(f"verdict: ratio of mean |cos| to its random baseline >= {cfg['threshold']} "
               "(v1 -> input-continuous, u1 -> output-continuous)")
+    for line in gram_lines(report):
+        out.print(escape(line))
     low = [f"{escape(role)} (min gap {r['min_gap']:.1e})" for role, r in report["roles"].items() if r["min_gap"] < 1e-3]
     if low:
         out.print("near-degenerate sigma_1 ~ sigma_2 in: " + ", ".join(low) + "; their v1/u1 are unstable, "
@@ -130,6 +134,34 @@ def print_report(report: dict) -> None:
         out.print(spectra_table(report))
     for line in inventory_lines(report):
         out.print(escape(line))
+
+
+def gram_lines(report: dict) -> list[str]:
+    """How the sigma^2-Gram similarity was computed per role (exact or sketched, and why), the sketch's probes,
+    and every sketched metric whose 95% ratio interval straddles the verdict threshold."""
+    roles = {role: r["gram"] for role, r in report["roles"].items() if "gram" in r}
+    sketched = [role for role, g in roles.items() if g["method"] == "sketch"]
+    if not sketched:
+        return []
+    g0 = roles[sketched[0]]
+    target = (f"--probes {report['config']['probes']}" if g0["fixed_probes"]
+              else f"target ±{g0['rel_error']:.0%} of the value")
+    lines = [f"sigma^2-Gram similarity sketched (Hutch++, Rademacher probes, {target}; 95% interval of the mean in "
+             f"brackets) for {', '.join(sketched)}: " + "; ".join(f"{role} {roles[role]['why']}, "
+                                                                  f"{roles[role]['probes']['in']}/"
+                                                                  f"{roles[role]['probes']['out']} probes (in/out)"
+                                                                  for role in sketched)]
+    exact = [role for role, g in roles.items() if g["method"] == "exact"]
+    if exact:
+        lines.append(f"exact for {', '.join(exact)}")
+    thr = report["config"]["threshold"]
+    for role in sketched:
+        for key in roles[role]["straddles_threshold"]:
+            lo, hi = report["roles"][role]["metrics"][key]["ratio_ci"]
+            lines.append(f"{role} {key}: its 95% interval of the ratio to baseline, [{lo:.2f}, {hi:.2f}]×, straddles "
+                         f"the threshold {thr:g}; the verdict reads v1/u1, not this metric, but this ratio is "
+                         "undecided: lower --rel-error or use --gram exact")
+    return lines
 
 
 def spectra_table(report: dict):
@@ -194,7 +226,8 @@ def run_analyze(args: argparse.Namespace) -> int:
         k=args.k, distances=args.distance, roles=tuple(args.roles.split(",")) if args.roles else None,
         max_layers=args.max_layers, device=str(device), dtype=args.dtype, baseline=args.baseline,
         draws=args.draws, seed=args.seed, batch=args.batch, threshold=args.threshold, solver=args.solver,
-        gram=not args.no_gram, heads=args.heads, kv_heads=args.kv_heads, merge_lora=args.merge_lora,
+        gram=not args.no_gram, gram_method=args.gram, probes=args.probes, rel_error=args.rel_error,
+        heads=args.heads, kv_heads=args.kv_heads, merge_lora=args.merge_lora,
         lora_adapter=args.lora_adapter, spectra=args.spectra, workers=args.threads or torch.get_num_threads(),
     )
     progress = _progress(args.progress, args.json)
@@ -255,6 +288,16 @@ def add_analyze(verbs) -> None:
     p.add_argument("--no-gram", action="store_true",
                    help="skip the sigma^2-Gram similarity (its exact off-side cross product is ~30%% of the CPU time "
                         "on SmolLM2; the other metrics then keep no raw matrix between layers)")
+    p.add_argument("--gram", default="auto", choices=("auto", "exact", "sketch"),
+                   help="sigma^2-Gram similarity: exact (a Gram and a cross product per pair), sketch (Hutch++ with "
+                        "Rademacher probes, every value with its 95%% interval), or auto = sketch where an exact pair "
+                        "would take more than ~1.5 s (from the shapes), exact elsewhere, and say which (default)")
+    p.add_argument("--probes", type=positive_int, metavar="N",
+                   help="sketch: N Rademacher probes per matrix and space (N/2 deflate, N/2 sample the rest); "
+                        "default: chosen by --rel-error")
+    p.add_argument("--rel-error", type=float, metavar="E",
+                   help="sketch: target relative half-width of each 95%% interval, 0 < E < 1 (default 0.02); the "
+                        "probes double from 32 until it is met or a cap is reached (docs/continuity.md)")
     p.add_argument("--spectra", action="store_true",
                    help="also per-matrix layer spectra: stable rank, spectral entropy and the power-law alpha of the "
                         "eigenvalue distribution (weightwatcher 0.7.7's estimator), from the same eigensolver pass")

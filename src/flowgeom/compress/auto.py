@@ -1,90 +1,189 @@
-"""A factored folder in transformers' own Auto classes, and never silently as a dense model.
+"""Compressed models in transformers: every route works once flowgeom is imported, and refuses loudly without it.
 
 A factored folder's ``config.json`` is the dense model's config (any family of
-:mod:`flowgeom.compress.arch`) whose ``model_type`` is ``flowgeom_factored``
-(the family's type kept in ``flowgeom_base_model_type``, its architectures in
-``flowgeom_base_architectures``) and whose ``architectures`` is
-``FlowgeomFactoredForCausalLM``. So:
+:mod:`flowgeom.compress.arch`; its type kept in ``flowgeom_base_model_type``, its
+architectures in ``flowgeom_base_architectures``) with three keys that keep a loader
+that does not know the format from building the family's model with the compressed
+projections left random (they are not in the file under their dense names):
 
-* without flowgeom, ``AutoModelForCausalLM.from_pretrained(folder)`` raises
-  transformers' own unknown-model-type error, instead of building a
-  model whose compressed projections are random (they are not
-  in the file under their dense names);
-* after :func:`register_transformers` (called by :func:`flowgeom.compress.load`,
-  and when ``flowgeom.compress`` is imported after transformers), the same call
-  returns the model with its factored projections, through transformers'
-  registration of a custom config and model class (``AutoConfig.register``,
-  ``AutoModelForCausalLM.register``): no ``trust_remote_code``, no code in the
-  folder.
+* ``model_type`` is :data:`FACTORED_TYPE`, ``"flowgeom_factored: load it with
+  flowgeom.compress.load"``. ``AutoModelForCausalLM``, ``pipeline(...)`` and
+  ``AutoConfig`` resolve the type first and raise transformers' ``ValueError``
+  "... has model type `flowgeom_factored: load it with flowgeom.compress.load` but
+  Transformers does not recognize this architecture";
+* ``transformers_weights`` (the weights file transformers reads when a config.json
+  names one) is :data:`REFUSAL`, which is no file name. The family's own class
+  (``LlamaForCausalLM.from_pretrained(folder)``, ``Qwen2ForCausalLM`` ...), which only
+  warns about a foreign ``model_type``, raises ``ValueError`` "The transformers file in
+  the config seems to be incorrect: ...: none: a flowgeom factored folder, load it
+  with flowgeom.compress.load" before it reads a tensor;
+* the tensors are in ``flowgeom_factored.safetensors``
+  (:data:`flowgeom.compress.folder.WEIGHTS_NAME`), a name transformers never looks
+  for: a version that ignores ``transformers_weights``, or a call given its own
+  ``config=``, ends in "no file named model.safetensors", not in random projections.
+
+Checked on transformers 5.23 (the hf extra's pin) by ``tests/compress/test_load_routes.py``.
+Rejected: a ``quantization_config`` with an unknown ``quant_method`` only warns and
+loads the random projections; ``auto_map`` would ask the user to trust remote code.
+
+**With flowgeom.** ``import flowgeom`` (so any ``flowgeom.*`` import) installs two
+post-import hooks (:mod:`flowgeom.after_import`) and imports no transformers: right
+after ``transformers.models.auto.configuration_auto`` has run,
+:func:`register_config` registers a config class for the type with ``AutoConfig``;
+right after ``transformers.models.auto.modeling_auto``, :func:`register_model`
+registers with ``AutoModelForCausalLM`` a class whose ``from_pretrained`` is
+flowgeom's loader (:func:`flowgeom.compress.folder.factored_hf`, every tensor
+checked). A module imported before flowgeom is registered with at once. So in either
+import order ``AutoModelForCausalLM.from_pretrained(folder)`` and
+``pipeline("text-generation", model=folder)`` give the family's own model with
+factored projections: no ``trust_remote_code``, no code in the folder. The family's
+own class still refuses (it cannot hold factored modules). Folders written before
+these keys (``model_type`` ``flowgeom_factored``, tensors in ``model.safetensors``)
+load the same way.
+
+:func:`load` is the same model without the Auto classes, and the dense model of
+every other source ``compress run`` reads.
 """
 
 from __future__ import annotations
 
-import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-FACTORED_TYPE = "flowgeom_factored"
+if TYPE_CHECKING:
+    import torch
+
+FACTORED_TYPE = "flowgeom_factored: load it with flowgeom.compress.load"
+LEGACY_TYPE = "flowgeom_factored"  # folders written before the type said how to load them
+FACTORED_TYPES = (FACTORED_TYPE, LEGACY_TYPE)
 FACTORED_ARCH = "FlowgeomFactoredForCausalLM"
 BASE_KEY = "flowgeom_base_model_type"
 BASE_ARCH_KEY = "flowgeom_base_architectures"
+WEIGHTS_KEY = "transformers_weights"
+REFUSAL = "none: a flowgeom factored folder, load it with flowgeom.compress.load"
+
+_CONFIGS: dict[str, type] = {}  # model type -> the config class registered with AutoConfig
+_MODELS: set[str] = set()  # model types registered with AutoModelForCausalLM
 
 
 def factored_config_json(config_json: dict) -> dict:
-    """The ``config.json`` object of a factored folder made from the dense model's ``config_json``."""
-    if config_json.get("model_type") == FACTORED_TYPE:
-        return dict(config_json)
-    base = config_json.get("model_type", "llama")
-    arch = config_json.get("architectures") or ["LlamaForCausalLM"]
-    return {**config_json, "model_type": FACTORED_TYPE, "architectures": [FACTORED_ARCH], BASE_KEY: base,
-            BASE_ARCH_KEY: arch}
+    """The ``config.json`` object of a factored folder made from the dense model's (or an older factored
+    folder's) ``config_json``."""
+    base = base_config_json(config_json)
+    return {**base, "model_type": FACTORED_TYPE, "architectures": [FACTORED_ARCH], WEIGHTS_KEY: REFUSAL,
+            BASE_KEY: base.get("model_type", "llama"), BASE_ARCH_KEY: base.get("architectures") or ["LlamaForCausalLM"]}
 
 
 def base_config_json(config_json: dict) -> dict:
-    """The dense model's config object back from a factored folder's (older folders are returned unchanged)."""
-    if config_json.get("model_type") != FACTORED_TYPE:
+    """The dense model's config object back from a factored folder's (any other is returned unchanged)."""
+    if config_json.get("model_type") not in FACTORED_TYPES:
         return config_json
-    out = {k: v for k, v in config_json.items() if k not in (BASE_KEY, BASE_ARCH_KEY)}
+    out = {k: v for k, v in config_json.items() if k not in (BASE_KEY, BASE_ARCH_KEY, WEIGHTS_KEY)}
     out["model_type"] = config_json.get(BASE_KEY, "llama")
     out["architectures"] = config_json.get(BASE_ARCH_KEY) or ["LlamaForCausalLM"]
     return out
 
 
-def register_transformers(*, only_if_imported: bool = False) -> bool:
-    """Register the factored config and model class with transformers' Auto classes (idempotent).
+def register_config() -> None:
+    """``AutoConfig`` learns the factored types (the hook run after transformers' configuration_auto)."""
+    from transformers.configuration_utils import PreTrainedConfig
+    from transformers.models.auto.configuration_auto import AutoConfig
 
-    ``only_if_imported``: do nothing unless transformers is already imported (importing it costs seconds).
-    Returns whether the classes are registered.
-    """
-    if only_if_imported and "transformers" not in sys.modules:
-        return False
-    try:
-        import transformers
-        from transformers import AutoConfig, AutoModelForCausalLM
-        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-    except ImportError:
-        return False
-    if FACTORED_TYPE in CONFIG_MAPPING:
-        return True
+    for model_type in FACTORED_TYPES:
+        if model_type in _CONFIGS:
+            continue
 
-    class FlowgeomFactoredConfig(transformers.PretrainedConfig):
-        """Holds a factored folder's config.json; the family's own config is built by the loader."""
+        class FlowgeomFactoredConfig(PreTrainedConfig):
+            """A factored folder's config.json as it is; flowgeom's loader builds the family's own config."""
 
-        model_type = FACTORED_TYPE
+        FlowgeomFactoredConfig.model_type = model_type
+        AutoConfig.register(model_type, FlowgeomFactoredConfig)
+        _CONFIGS[model_type] = FlowgeomFactoredConfig
 
-    class FlowgeomFactoredForCausalLM(transformers.PreTrainedModel):
-        config_class = FlowgeomFactoredConfig
+
+def register_model() -> None:
+    """``AutoModelForCausalLM`` learns the factored types (the hook run after transformers' modeling_auto)."""
+    from transformers.models.auto.modeling_auto import AutoModelForCausalLM
+
+    register_config()
+    for model_type, config_class in _CONFIGS.items():
+        if model_type not in _MODELS:
+            AutoModelForCausalLM.register(config_class, _model_class(config_class))
+            _MODELS.add(model_type)
+
+
+def _model_class(config_class: type) -> type:
+    class FlowgeomFactoredForCausalLM:
+        """What transformers' Auto classes hand a factored folder to: flowgeom's loader gives the family's own
+        transformers model with factored projections (never an instance of this class)."""
 
         @classmethod
         def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-            """flowgeom's loader (:func:`flowgeom.compress.folder.factored_hf`): every tensor checked."""
             import torch
 
             from flowgeom.compress.folder import factored_hf
 
-            dtype = kwargs.get("torch_dtype", kwargs.get("dtype"))
+            dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
             dtype = dtype if isinstance(dtype, torch.dtype) else torch.float32  # None / "auto": as computed
             return factored_hf(pretrained_model_name_or_path, dtype=dtype)
 
-    FlowgeomFactoredForCausalLM.__name__ = FACTORED_ARCH
-    AutoConfig.register(FACTORED_TYPE, FlowgeomFactoredConfig)
-    AutoModelForCausalLM.register(FlowgeomFactoredConfig, FlowgeomFactoredForCausalLM)
-    return True
+    FlowgeomFactoredForCausalLM.config_class = config_class
+    return FlowgeomFactoredForCausalLM
+
+
+def declares_factored(path: Path) -> bool:
+    """Whether ``path`` is a folder whose config.json names a factored type (with or without its JSON)."""
+    from flowgeom.compress.source import folder_model_type
+    from flowgeom.errors import FlowgeomError
+
+    try:
+        return folder_model_type(Path(path)) in FACTORED_TYPES
+    except FlowgeomError:  # an unreadable config.json: reported by the reader that needs it
+        return False
+
+
+def load(source: str | Path, *, dtype: torch.dtype | None = None):
+    """The ``transformers`` causal LM (the hf extra), in its family's own class, of every source ``flowgeom
+    compress run`` reads; computed in ``dtype`` (default float32), in eval mode:
+
+    * a factored folder (``compress run``'s default, or healed): the model with
+      :class:`~flowgeom.compress.folder.FactoredLinear` projections, every tensor checked against
+      ``flowgeom_factored.json`` (:func:`~flowgeom.compress.folder.factored_hf`);
+    * a folder with dropped blocks, or any HF folder (config.json + safetensors) of a family of
+      :mod:`flowgeom.compress.arch`: the dense model, a missing, unexpected or mis-shaped tensor refused;
+    * a Llama ``.gguf`` file (or a folder holding one) and ``builtin:smollm2``: the dense model, dequantised
+      by flowgeom's reader as ``compress run`` reads it.
+
+    Anything else raises :class:`~flowgeom.errors.FlowgeomError` naming the source and what is accepted.
+    ``AutoModelForCausalLM.from_pretrained(folder)`` gives the same factored model once flowgeom is imported
+    (module docstring); without flowgeom every transformers route refuses a factored folder.
+    """
+    import torch
+
+    from flowgeom.compress.arch import CAUSAL_FAMILIES, check_family
+    from flowgeom.compress.folder import factored_hf, is_factored
+    from flowgeom.compress.run import source_path
+    from flowgeom.compress.source import (build_model, folder_model_type, is_native, load_dense, pretrained,
+                                          transformers_config)
+    from flowgeom.errors import FlowgeomError
+
+    path = source_path(str(source))  # builtin: resolved; a missing path refused with what is accepted
+    dtype = torch.float32 if dtype is None else dtype
+    if is_factored(path) or declares_factored(path):  # without its JSON: read_factored says which file is missing
+        return factored_hf(path, dtype=dtype)
+    gguf = path.suffix == ".gguf" if path.is_file() else any(path.glob("*.gguf"))
+    if not (gguf or (path / "config.json").is_file()):
+        raise FlowgeomError(f"{source} is not a model flowgeom.compress.load reads; pass a folder written by "
+                            "`flowgeom compress run` (factored or with dropped blocks), an HF folder (config.json + "
+                            f"safetensors) of one of: {', '.join(CAUSAL_FAMILIES)}, a Llama .gguf or builtin:smollm2")
+    model_type = folder_model_type(path)
+    if model_type not in (None, "llama"):
+        try:
+            check_family(model_type)
+        except FlowgeomError as exc:
+            raise FlowgeomError(f"{source}: {exc}") from None
+        return pretrained(path, dtype=dtype)
+    cfg, state = load_dense(path)
+    if is_native(cfg):
+        cfg = transformers_config({**cfg.to_hf(), "model_type": "llama"})
+    return build_model(cfg, state, dtype=dtype)

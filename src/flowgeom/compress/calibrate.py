@@ -25,25 +25,35 @@ and after each block (ShortGPT's Block Influence ``BI_l = 1 - mean cos``) and
 the angular distance ``arccos(cos)/π`` between the inputs of blocks l and l+n
 for every n (Gromov et al.'s criterion for dropping n consecutive blocks).
 
-**Cache.** :func:`cached_calibration` stores the non-sequential result under
-``$FLOWGEOM_CACHE/grams/<key>.safetensors``, keyed by the sha256 of the model's
-weights, of the token ids and of ``seq_len``; the stored key is checked on
-read, and a file that does not parse or does not match is recomputed.
+**On disk, one block at a time.** Every block's Grams are complete once
+the block has run, and nothing later needs them all at once, so with a
+``store`` (:class:`~flowgeom.compress.store.GramFiles`) each block's Grams go
+to disk as soon as they are complete and are read back when a plan uses them:
+SmolLM2's 0.8 GB of float64 Grams never sit in memory together.
+
+**Cache.** :func:`cached_calibration` keeps the non-sequential result in
+``$FLOWGEOM_CACHE/grams/<key>/`` (one ``<block>.safetensors`` per block and
+``calibration.json`` with the pruning statistics; measured into a scratch
+folder that is renamed into place when complete), keyed by the sha256 of the
+model's weights, of the token ids and of ``seq_len``; the stored key is
+checked on read, and a folder that is incomplete, does not parse or does not
+match is measured again.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from flowgeom.compress.store import GramFiles
 from flowgeom.errors import FlowgeomError
+from flowgeom.memory import trim_heap
 
 # Gram name -> (module whose input it is, the roles that read it)
 GRAM_KEYS = {"attn": ("self_attn.q_proj", ("q", "k", "v")), "o": ("self_attn.o_proj", ("o",)),
@@ -51,15 +61,16 @@ GRAM_KEYS = {"attn": ("self_attn.q_proj", ("q", "k", "v")), "o": ("self_attn.o_p
 ROLE_GRAM = {role: key for key, (_, roles) in GRAM_KEYS.items() for role in roles}
 PRUNE_TOKENS = 2048  # tokens whose hidden states feed BI and the angular distances
 DEFAULT_TOKENS = 16384  # > 10x the widest projection input of SmolLM2 (1,536): Grams full rank and well conditioned
-FORMAT = "flowgeom-calibration-1"
+FORMAT = "flowgeom-calibration-2"
 
 
 @dataclass
 class Calibration:
-    """``grams[l][key]`` (float64, (n, n)) per block and :data:`GRAM_KEYS` key; ``tokens`` seen;
-    ``block_influence[l]``; ``angular[n][l]`` = angular distance between the inputs of blocks l and l+n."""
+    """``grams[l][key]`` (float64, (n, n)) per block and :data:`GRAM_KEYS` key (a list in memory, or
+    :class:`~flowgeom.compress.store.GramFiles` read block by block); ``tokens`` seen; ``block_influence[l]``;
+    ``angular[n][l]`` = angular distance between the inputs of blocks l and l+n."""
 
-    grams: list[dict[str, torch.Tensor]]
+    grams: Sequence[dict[str, torch.Tensor]]
     tokens: int
     seq_len: int
     block_influence: list[float]
@@ -120,11 +131,13 @@ def _cos(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 @torch.inference_mode()
 def calibrate(model, ids: torch.Tensor, *, groups: Sequence[Sequence[int]] | None = None, batch: int = 4,
               on_group: Callable[[list[int], list[dict[str, torch.Tensor]]], None] | None = None,
-              progress: Callable[[int, int], None] | None = None) -> Calibration:
+              progress: Callable[[int, int], None] | None = None, store: GramFiles | None = None) -> Calibration:
     """Grams and pruning statistics of a causal LM (flowgeom's Llama or any family of
     :mod:`flowgeom.compress.arch`) on ``ids`` (S, T) sequences, block by block (module docstring). ``groups``:
     consecutive blocks compressed together (default: one group per block); ``on_group(layers, their grams)``
-    (sequential variant) may change those blocks' weights before their output is propagated."""
+    (sequential variant) may change those blocks' weights before their output is propagated. ``store``
+    (:class:`~flowgeom.compress.store.GramFiles`): each group's Grams go there once the group is done, and the
+    result reads them from it; default: all in memory."""
     from flowgeom.compress.arch import runner as runner_of
 
     runner = runner_of(model)
@@ -159,6 +172,7 @@ def calibrate(model, ids: torch.Tensor, *, groups: Sequence[Sequence[int]] | Non
         for l in group:
             h = run(l, h, grams[l])
             states.append(flat(h))
+            trim_heap()  # one block's activations freed: the next block's come from returned pages
             done += 1
             if progress:
                 progress(done, L)
@@ -169,10 +183,14 @@ def calibrate(model, ids: torch.Tensor, *, groups: Sequence[Sequence[int]] | Non
                 h = run(l, h, None)
                 states.append(flat(h))
         inputs.extend(states)
+        if store is not None:
+            for l in group:
+                store.put(l, grams[l])
+                grams[l] = {}
     bi = [1.0 - float(_cos(inputs[l], inputs[l + 1]).mean()) for l in range(L)]
     angular = {n: [float((torch.arccos(_cos(inputs[l], inputs[l + n])) / math.pi).mean()) for l in range(L - n + 1)]
                for n in range(1, L)}
-    return Calibration(grams, S * T, T, bi, angular)
+    return Calibration(grams if store is None else store, S * T, T, bi, angular)
 
 
 # ---------------------------------------------------------------- disk cache
@@ -183,7 +201,7 @@ def weights_digest(state: dict[str, torch.Tensor]) -> str:
     for name in sorted(state):
         t = state[name].detach().contiguous().cpu()
         digest.update(f"{name}|{list(t.shape)}|{t.dtype}|".encode())
-        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        digest.update(t.view(torch.uint8).numpy() if t.numel() else b"")  # the tensor's own bytes, no copy
     return digest.hexdigest()
 
 
@@ -195,60 +213,63 @@ def calibration_key(state: dict[str, torch.Tensor], ids: torch.Tensor) -> str:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("FLOWGEOM_CACHE") or Path.home() / ".cache" / "flowgeom") / "grams"
+    from flowgeom.compress.store import cache_root
+
+    return cache_root() / "grams"
 
 
-def save_calibration(path: Path, calib: Calibration, key: str) -> None:
-    import json
-
-    from safetensors.torch import save
-
-    from flowgeom.runs import atomic_write_bytes
-
-    tensors = {f"{l}.{k}": g.contiguous() for l, grams in enumerate(calib.grams) for k, g in grams.items()}
-    meta = {"key": key, "format": FORMAT, "tokens": str(calib.tokens), "seq_len": str(calib.seq_len),
-            "block_influence": json.dumps(calib.block_influence),
-            "angular": json.dumps({str(n): v for n, v in calib.angular.items()})}
-    atomic_write_bytes(path, save(tensors, metadata=meta))
+META = "calibration.json"  # a cache entry's key, token count and pruning statistics, beside its blocks' Grams
 
 
-def load_calibration(path: Path, key: str, n_layers: int) -> Calibration | None:
-    """The cached calibration at ``path`` when it is whole and was stored for ``key``, else None."""
-    import json
+def save_meta(folder: Path, calib: Calibration, key: str) -> None:
+    """``calibration.json`` of a calibration whose Grams are already in ``folder``."""
+    from flowgeom.runs import atomic_write_json
 
-    from safetensors import safe_open
+    meta = {"key": key, "format": FORMAT, "tokens": calib.tokens, "seq_len": calib.seq_len,
+            "layers": len(calib.grams), "block_influence": calib.block_influence,
+            "angular": {str(n): v for n, v in calib.angular.items()}}
+    atomic_write_json(folder / META, meta, root=folder)
+
+
+def load_calibration(folder: Path, key: str, n_layers: int) -> Calibration | None:
+    """The calibration cached in ``folder`` when it is complete and was stored for ``key``, else None; its
+    Grams are checked here (finite float64, every key, every block) and read again when used."""
+    from flowgeom.compress.store import TensorFiles
+    from flowgeom.files import read_json_object
 
     try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            if meta.get("key") != key or meta.get("format") != FORMAT:
-                return None
-            grams = [{k: f.get_tensor(f"{l}.{k}") for k in GRAM_KEYS} for l in range(n_layers)]
-        angular = {int(n): [float(x) for x in v] for n, v in json.loads(meta["angular"]).items()}
+        meta = read_json_object(folder / META, fix="it is measured again")
+        if meta.get("key") != key or meta.get("format") != FORMAT or meta.get("layers") != n_layers:
+            return None
+        angular = {int(n): [float(x) for x in v] for n, v in meta["angular"].items()}
+        grams = GramFiles(TensorFiles(folder), n_layers, key)
         calib = Calibration(grams, int(meta["tokens"]), int(meta["seq_len"]),
-                            [float(x) for x in json.loads(meta["block_influence"])], angular)
+                            [float(x) for x in meta["block_influence"]], angular)
     except Exception:  # any damage (truncated, foreign, hand-edited) means: measure again
         return None
-    if any(g.dtype != torch.float64 or not torch.isfinite(g).all() for grams in calib.grams for g in grams.values()):
-        return None
-    return calib
+    return calib if grams.check(tuple(GRAM_KEYS)) else None
 
 
 def cached_calibration(model, state: dict[str, torch.Tensor], ids: torch.Tensor, *, cache: Path | None = None,
                        progress: Callable[[int, int], None] | None = None) -> tuple[Calibration, bool]:
-    """``(calibration, from_cache)`` of the non-sequential pass; computed and stored when not cached."""
-    key = calibration_key(state, ids)
-    path = (cache or cache_dir()) / f"{key[:32]}.safetensors"
+    """``(calibration, from_cache)`` of the non-sequential pass; when not cached, measured into a scratch folder
+    that then becomes the cache entry."""
     from flowgeom.compress.arch import runner
+    from flowgeom.compress.store import TensorFiles
 
-    found = load_calibration(path, key, len(runner(model))) if path.is_file() else None
+    key = calibration_key(state, ids)
+    folder = (cache or cache_dir()) / key[:32]
+    L = len(runner(model))
+    found = load_calibration(folder, key, L) if (folder / META).is_file() else None
     if found is not None:
         return found, True
-    calib = calibrate(model, ids, progress=progress)
+    files = TensorFiles.temporary(durable=True)
+    calib = calibrate(model, ids, progress=progress, store=GramFiles(files, L, key))
     try:
-        save_calibration(path, calib, key)
+        save_meta(files.folder, calib, key)
+        files.move(folder)  # the entry appears whole, or not at all
     except (OSError, FlowgeomError):
-        pass  # a read-only cache only costs time
+        pass  # a read-only cache only costs time: the Grams stay in scratch for this run
     return calib, False
 
 
@@ -271,7 +292,7 @@ def logits_of(model, ids: torch.Tensor, *, root: bool = False, runner=None) -> t
 GRAD_TOKENS = 4096  # calibration tokens whose gradients score the components (8 sequences of 512)
 
 
-def sensitivity(model, ids: torch.Tensor, probes: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], *,
+def sensitivity(model, ids: torch.Tensor, probes: Mapping[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], *,
                 batch: int = 2, progress: Callable[[int, int], None] | None = None
                 ) -> tuple[dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], float]:
     """First- and second-order loss estimates of removing rank-one pieces of the projections
@@ -281,29 +302,48 @@ def sensitivity(model, ids: torch.Tensor, probes: dict[tuple[int, str], tuple[to
     ``-P[:, i] Q[i, :]``. L is the mean next-token NLL over all of ``ids`` (S, T), float32; per token t of
     the projection's input ``x_t`` and output gradient ``g_t = ∂L/∂y_t``, with ``a = g P`` and ``b = x Q^T``:
     ``first = -sum_t a_t * b_t`` and ``fisher = (N/2) sum_t (a_t * b_t)^2`` (N targets), each (r,).
-    Memory: one batch's activations and gradients (the weights need no gradient); ``batch`` sequences at a
-    time, SmolLM2 at 512 tokens ~0.8 GB a sequence.
+
+    **Block by block** (gradient checkpointing at block boundaries): a forward pass keeps only each block's
+    input; the loss is backpropagated to the last block's output, then each block, last first, is run again
+    from its kept input and backpropagated alone, with the probes of that block read (``probes`` may be a lazy
+    mapping, :class:`flowgeom.compress.plan.Probes`). The recomputed block runs the same operations on the
+    same input in the same grad mode as the first pass, so every gradient is the one a whole-model backward
+    gives; the head and the loss run one sequence at a time (each row's gradient does not depend on the others,
+    the loss is summed in another order: equal to rounding). Memory: the blocks' inputs, one block's activations
+    and one sequence's logits (no gradient for the weights, no logits for the last position, which predicts
+    nothing), where a whole-model backward held every block's activations (~0.8 GB a sequence of 512 tokens
+    on SmolLM2) and the logits of the batch (0.8 GB with their gradients at 2 x 512 tokens).
     """
     from flowgeom.compress.arch import runner as runner_of
 
     runner = runner_of(model)
     S, T = ids.shape
     n_targets = S * (T - 1)
-    first = {key: torch.zeros(P.shape[1], dtype=torch.float64) for key, (P, _) in probes.items()}
-    fisher = {key: torch.zeros(P.shape[1], dtype=torch.float64) for key, (P, _) in probes.items()}
+    by_layer: dict[int, list[str]] = {}
+    for layer, role in probes:
+        by_layer.setdefault(layer, []).append(role)
+    first: dict[tuple[int, str], torch.Tensor] = {}
+    fisher: dict[tuple[int, str], torch.Tensor] = {}
+    live: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # the probes of the block being backpropagated
     handles = []
 
-    def watch(key):
-        P, Q = (t.float() for t in probes[key])
-        rows = runner.arch.slots[key[1]].rows  # the role's outputs inside a fused projection
+    def watch(layer: int, role: str):
+        rows = runner.arch.slots[role].rows  # the role's outputs inside a fused projection
 
         def forward_hook(_m, args, out):
+            if role not in live:  # the first, graph-free pass
+                return
             x = args[0].detach()
 
             def on_grad(g):
                 with torch.no_grad():
+                    P, Q = live[role]
                     g = g if rows is None else g[..., list(rows)]
                     ab = (g.reshape(-1, g.shape[-1]) @ P) * (x.reshape(-1, x.shape[-1]) @ Q.T)  # (B T, r)
+                    key = (layer, role)
+                    if key not in first:
+                        first[key] = torch.zeros(P.shape[1], dtype=torch.float64)
+                        fisher[key] = torch.zeros(P.shape[1], dtype=torch.float64)
                     first[key].sub_(ab.sum(0).double())
                     fisher[key].add_(ab.double().square().sum(0) * (n_targets / 2))
             out.register_hook(on_grad)
@@ -311,26 +351,47 @@ def sensitivity(model, ids: torch.Tensor, probes: dict[tuple[int, str], tuple[to
 
     for size in {min(batch, S - i) for i in range(0, S, batch)}:
         runner.prepare(size, T, next(model.parameters()).dtype)  # before the probes' hooks exist
-    for (layer, role) in probes:
-        module = runner.layers[layer].get_submodule(runner.arch.slots[role].path)
-        handles.append(module.register_forward_hook(watch((layer, role))))
+    for layer, roles in by_layer.items():
+        for role in roles:
+            module = runner.layers[layer].get_submodule(runner.arch.slots[role].path)
+            handles.append(module.register_forward_hook(watch(layer, role)))
     flags = [p.requires_grad for p in model.parameters()]
     model.requires_grad_(False)
     total = 0.0
     try:
         for i in range(0, S, batch):
             x = ids[i:i + batch]
-            logits = logits_of(model, x, root=True, runner=runner)  # (B, T, vocab)
-            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), x[:, 1:].reshape(-1),
-                                   reduction="sum") / n_targets
-            loss.backward()
-            total += float(loss.detach())
-            del logits, loss
+            inputs = [runner.embed(x).detach()]  # (B, T, d) entering each block, then the last block's output
+            for l in range(len(runner)):  # as logits_of(root=True) runs it, the graph dropped block by block
+                inputs.append(runner.block(l, inputs[-1].requires_grad_()).detach())
+            h = inputs.pop().requires_grad_()
+            for b in range(len(x)):  # one sequence's logits at a time, (T-1, vocab): the last position predicts nothing
+                loss = F.cross_entropy(runner.head(h[b, :-1]).float(), x[b, 1:], reduction="sum") / n_targets
+                loss.backward()
+                total += float(loss.detach())
+            grad = h.grad
+            del loss, h
+            trim_heap()
+            for l in reversed(range(len(runner))):
+                live.update({role: tuple(t.float() for t in probes[(l, role)]) for role in by_layer.get(l, ())})
+                h = inputs.pop().requires_grad_()
+                runner.block(l, h).backward(grad)
+                grad = h.grad
+                live.clear()
+                del h
+                trim_heap()
             if progress:
                 progress(min(i + batch, S), S)
     finally:
+        live.clear()
         for handle in handles:
             handle.remove()
         for p, flag in zip(model.parameters(), flags):
             p.requires_grad_(flag)
-    return {key: (first[key], fisher[key]) for key in probes}, total
+    out = {}
+    for key in probes:
+        if key not in first:  # no gradient reached it: nothing removed there changes the loss
+            r = probes[key][0].shape[1]
+            first[key], fisher[key] = torch.zeros(r, dtype=torch.float64), torch.zeros(r, dtype=torch.float64)
+        out[key] = (first[key], fisher[key])
+    return out, total

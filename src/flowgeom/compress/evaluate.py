@@ -1,20 +1,25 @@
-"""Held-out perplexity of one model and the models compared with it, as the user judges a compression.
+"""Several models compared with the first (the dense source), as the user judges a compression.
 
 :func:`compare_models` loads each model from disk in turn (a dense folder, a
 factored folder written by ``compress run``, a GGUF or ``builtin:`` name),
 scores it on the same token ids with :func:`flowgeom.compress.perplexity.perplexity`
 and reports its parameters and bytes on disk next to its perplexity ratio to
-the first model. The CLI (``flowgeom compress evaluate``) only parses and prints.
+the first model; with the first model kept in memory, it also scores how each
+model agrees with it, teacher-forced and in greedy generation
+(:mod:`flowgeom.compress.agreement`). The CLI (``flowgeom compress evaluate``)
+only parses and prints.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
+from flowgeom.compress.agreement import LOOP_N, LOOP_REPEATS, GenerationConfig
 from flowgeom.compress.perplexity import EvalConfig, perplexity, windows
 from flowgeom.errors import FlowgeomError
 
@@ -54,14 +59,37 @@ def _saved_params(path: Path) -> int | None:
     return read_json_object(share, fix="re-run compress run").get("saved_params")
 
 
-def compare_models(specs: Sequence[str], *, text: str = "kjv", config: EvalConfig, device: str | torch.device = "cpu",
-                   out: str | Path | None = None, progress: Progress | None = None) -> dict:
-    """Perplexity of ``specs[0]`` and of every other model against it, on ``text``'s held-out split.
+def _same_tokenizers(specs: Sequence[str], paths: Sequence[Path], tokenizer) -> None:
+    """Refuse a model that carries a tokenizer other than the first model's (token ids would mean other text)."""
+    from flowgeom.data.tokens import load_tokenizer, tokenizer_fingerprint
 
-    Every path, the output file (never one of the models, nor inside one) and the
-    text's length are checked before any model is loaded. The tokenizer is the
-    first model's; a model with fewer token embeddings than it has tokens is refused.
+    mine = tokenizer_fingerprint(tokenizer)
+    for spec, path in zip(specs[1:], paths[1:]):
+        try:
+            theirs = load_tokenizer(path)
+        except FlowgeomError:
+            continue  # no tokenizer of its own (a bare folder): it is read with the first model's
+        if tokenizer_fingerprint(theirs) != mine:
+            raise FlowgeomError(f"{spec} has another tokenizer than {specs[0]} ({theirs.get_vocab_size()} vs "
+                                f"{tokenizer.get_vocab_size()} tokens, or other merges): compare models that share "
+                                "one tokenizer (a compressed model and the source it came from)")
+
+
+def compare_models(specs: Sequence[str], *, text: str = "kjv", config: EvalConfig, device: str | torch.device = "cpu",
+                   out: str | Path | None = None, progress: Progress | None = None,
+                   generation: GenerationConfig | None = GenerationConfig(), agreement: bool = True,
+                   generate: Sequence[str] = ()) -> dict:
+    """Perplexity of ``specs[0]`` and of every other model against it, on ``text``'s held-out split; with
+    ``agreement``, each later model's teacher-forced top-1 agreement and KL against the first on the same
+    windows; with ``generation``, the health of greedy continuations of held-out prompts (and prefix agreement
+    with the first model's); ``generate``: prompts whose greedy continuations are returned per model.
+
+    Every path, the output file (never one of the models, nor inside one), the tokenizers (one for all) and
+    the text's length are checked before any model is loaded. The tokenizer is the first model's; a model
+    with fewer token embeddings than it has tokens is refused.
     """
+    from flowgeom.compress.agreement import generation_health, greedy_continuations, prompts_from
+    from flowgeom.compress.agreement import teacher_forced_agreement
     from flowgeom.compress.folder import load_model
     from flowgeom.compress.run import source_path
     from flowgeom.data.text import is_named, load_text
@@ -71,12 +99,19 @@ def compare_models(specs: Sequence[str], *, text: str = "kjv", config: EvalConfi
     paths = [source_path(s) for s in specs]
     if out is not None:
         check_out_file(out, inputs=paths)
+    if any(not p.strip() for p in generate):
+        raise FlowgeomError("--generate got an empty prompt; pass the text to continue, e.g. --generate 'Once upon'")
     tokenizer = load_tokenizer(paths[0])
+    _same_tokenizers(specs, paths, tokenizer)
     corpus = load_text(text, split="test")
     ids = token_ids(corpus, tokenizer)
     n = len(ids) if config.max_tokens is None else min(len(ids), config.max_tokens)
     windows(n, config.context, config.stride or config.context)  # text too short: refused before any model loads
-    rows = []
+    encode = lambda s: tokenizer.encode(s, add_special_tokens=False).ids  # noqa: E731
+    prompts = [] if generation is None else [
+        encode(p) for p in prompts_from(load_text(generation.text, split="test"), generation.prompts,
+                                        generation.prompt_words)]
+    rows, reference, reference_continuations = [], None, None
     for spec, path in zip(specs, paths):
         t0 = time.perf_counter()
         model = load_model(path).to(device)
@@ -88,13 +123,26 @@ def compare_models(specs: Sequence[str], *, text: str = "kjv", config: EvalConfi
         res = perplexity(model, ids.to(device), config, progress=tick)
         eval_seconds = res.pop("seconds")
         row = {"model": spec, **res, "params": sum(p.numel() for p in model.parameters()),
-               "bytes_on_disk": bytes_on_disk(path), "load_seconds": load_seconds, "eval_seconds": eval_seconds,
-               "seconds": time.perf_counter() - t0}
+               "bytes_on_disk": bytes_on_disk(path), "load_seconds": load_seconds, "eval_seconds": eval_seconds}
+        if agreement and reference is not None:
+            row["agreement"] = teacher_forced_agreement(model, reference, ids.to(device), config)
+        if prompts:
+            tick = None if progress is None else (lambda done, total, spec=spec: progress(f"{spec} generate", done,
+                                                                                              total))
+            continuations = greedy_continuations(model, prompts, generation.new_tokens, progress=tick)
+            row["generation"] = generation_health(continuations, reference_continuations)
+            reference_continuations = reference_continuations or continuations
+        if generate:
+            row["generate"] = [tokenizer.decode(c) for c in greedy_continuations(
+                model, [encode(p) for p in generate], generation.new_tokens if generation else 48)]
+        row["seconds"] = time.perf_counter() - t0
         saved = _saved_params(path)
         if saved is not None:
             row["saved_params"] = saved
         row["weight_bytes"], row["stored"] = weight_bytes(path), stored_dtype(path)
         rows.append(row)
+        if reference is None and agreement and len(specs) > 1:
+            reference = model  # kept: every later model is scored against it, window by window
         del model
     sizes = {"float32": 4, "float16": 2, "bfloat16": 2}
     for row in rows:
@@ -109,6 +157,9 @@ def compare_models(specs: Sequence[str], *, text: str = "kjv", config: EvalConfi
               "tokens_in_split": len(ids),
               "config": {"context": config.context, "stride": config.stride or config.context,
                          "max_tokens": config.max_tokens},
+              "generation": None if generation is None else {**asdict(generation), "loop_ngram": LOOP_N,
+                                                             "loop_repeats": LOOP_REPEATS},
+              "generate_prompts": list(generate),
               "models": rows}
     if out is not None:
         atomic_write_json(Path(out), result, inputs=paths)

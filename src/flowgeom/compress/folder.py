@@ -2,8 +2,10 @@
 
 **Folder layout** (what ``flowgeom compress run`` writes)::
 
-    config.json               the dense model's config, model_type flowgeom_factored (flowgeom.compress.auto)
-    model.safetensors         every tensor that is not compressed (embeddings, norms, biases, dense projections)
+    config.json               the dense model's config, with the keys that make plain transformers refuse the folder
+                              (flowgeom.compress.auto)
+    flowgeom_factored.safetensors
+                              every tensor that is not compressed (embeddings, norms, biases, dense projections)
                               + per unit  factored.<role>.<first>-<last>.basis
                               + per layer model.layers.<l>.<module>.coeff
     flowgeom_factored.json    {"format": "flowgeom-factored", "version": 1, "units": [...]}
@@ -22,6 +24,8 @@ coeff (m, k)) or ``basis @ coeff_l`` (output space: basis (m, k), coeff (k, n)).
 :func:`read_factored` checks every tensor the JSON names against its shape and
 dtype, that no projection is both dense and factored or factored twice, and
 that nothing is left over: a hand-edited or truncated folder is one clear error.
+Folders written before :data:`WEIGHTS_NAME` keep their tensors in ``model.safetensors``;
+:func:`weights_path` finds either.
 
 **Loading.** :func:`factored_llama` gives flowgeom's Llama and
 :func:`factored_hf` the family's transformers model, each with
@@ -48,6 +52,8 @@ from flowgeom.nn.llama import refuse_integer_codes
 FORMAT = "flowgeom-factored"
 VERSION = 1
 JSON_NAME = "flowgeom_factored.json"
+WEIGHTS_NAME = "flowgeom_factored.safetensors"  # not model.safetensors: plain transformers must not find it
+LEGACY_WEIGHTS = "model.safetensors"  # factored folders written before WEIGHTS_NAME; dense folders
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _FIX = "write the factored folder again with `flowgeom compress run`"
 
@@ -111,7 +117,7 @@ def coeff_name(layer: int, role: str) -> str:
 
 def factored_tensors(compressed: Compressed, state: Mapping[str, torch.Tensor], *, tie: bool,
                      dtype: torch.dtype = torch.float32) -> tuple[dict[str, torch.Tensor], dict]:
-    """``(tensors for model.safetensors, the flowgeom_factored.json object)`` of a compression; every tensor
+    """``(tensors for WEIGHTS_NAME, the flowgeom_factored.json object)`` of a compression; every tensor
     stored in ``dtype`` except the norms' weights (float32: a few thousand numbers that scale whole layers)."""
     tensors = {k: v for k, v in state.items() if not (k == "lm_head.weight" and tie)}
     units = []
@@ -139,11 +145,19 @@ def save_factored(folder: Path, config_json: dict, compressed: Compressed, state
     tensors, meta = factored_tensors(compressed, state, tie=bool(config_json.get("tie_word_embeddings")),
                                      dtype=dtype)
     write_model_files(folder, tensors, factored_config_json(config_json), tokenizer=tokenizer, report=report,
-                      extra={JSON_NAME: meta})
+                      extra={JSON_NAME: meta}, weights=WEIGHTS_NAME)
 
 
 def is_factored(path: str | Path) -> bool:
     return Path(path).is_dir() and (Path(path) / JSON_NAME).exists()
+
+
+def weights_path(folder: str | Path) -> Path:
+    """The safetensors file of a folder ``compress run`` wrote: :data:`WEIGHTS_NAME`, or ``model.safetensors``
+    in a dense folder or a factored one written before it."""
+    folder = Path(folder)
+    new, old = folder / WEIGHTS_NAME, folder / LEGACY_WEIGHTS
+    return old if old.exists() and not new.exists() else new
 
 
 @dataclass(frozen=True)
@@ -211,7 +225,8 @@ def read_factored(folder: str | Path) -> tuple[object, list[FactoredUnit], dict[
     from flowgeom.io.checkpoints import parse_json
     from flowgeom.io.sources import open_source
     folder = Path(folder)
-    for name in ("config.json", JSON_NAME, "model.safetensors"):
+    weights = weights_path(folder).name
+    for name in ("config.json", JSON_NAME, weights):
         if not (folder / name).exists():
             raise _bad(folder, f"{name} is missing")
         regular_file(folder / name, name)
@@ -222,7 +237,7 @@ def read_factored(folder: str | Path) -> tuple[object, list[FactoredUnit], dict[
     except FlowgeomError as exc:
         raise FlowgeomError(f"{folder}: {exc}") from None
     units = _units(folder, meta, cfg.num_hidden_layers)
-    src = open_source(folder / "model.safetensors")
+    src = open_source(folder / weights)
     expected: dict[str, tuple[int, ...]] = {}
     for u in units:
         m, n = u.shape
@@ -231,7 +246,7 @@ def read_factored(folder: str | Path) -> tuple[object, list[FactoredUnit], dict[
             expected[c] = (m, u.rank) if u.space == "input" else (u.rank, n)
     for name, shape in expected.items():
         if name not in src.shapes:
-            raise _bad(folder, f"tensor {name} named in {JSON_NAME} is not in model.safetensors")
+            raise _bad(folder, f"tensor {name} named in {JSON_NAME} is not in {weights}")
         if tuple(src.shapes[name]) != shape:
             raise _bad(folder, f"tensor {name} has shape {list(src.shapes[name])}, {JSON_NAME} implies {list(shape)}")
     for u in units:
@@ -391,7 +406,7 @@ def factored_hf(folder: str | Path, *, dtype: torch.dtype = torch.float32):
 def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32):
     """The runnable model of a factored folder (flowgeom's Llama for a Llama, else the family's transformers
     model with factored modules) or of any dense source :func:`flowgeom.compress.source.load_dense` reads."""
-    from flowgeom.compress.auto import FACTORED_TYPE, base_config_json
+    from flowgeom.compress.auto import FACTORED_TYPES, LEGACY_TYPE, base_config_json
     from flowgeom.compress.source import build_model, load_dense
 
     if is_factored(path):
@@ -400,8 +415,9 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32):
         base = base_config_json(read_json_object(Path(path) / "config.json", fix=_FIX)).get("model_type", "llama")
         return (factored_llama if base == "llama" else factored_hf)(path, dtype=dtype)
     config = Path(path) / "config.json"
-    if Path(path).is_dir() and config.is_file() and FACTORED_TYPE.encode() in config.read_bytes()[:1 << 20]:
-        raise _bad(Path(path), f"config.json says {FACTORED_TYPE} but {JSON_NAME} is missing")
+    if Path(path).is_dir() and config.is_file() and any(t.encode() in config.read_bytes()[:1 << 20]
+                                                        for t in FACTORED_TYPES):
+        raise _bad(Path(path), f"config.json says {LEGACY_TYPE} but {JSON_NAME} is missing")
     cfg, state = load_dense(path)
     return build_model(cfg, state, dtype=dtype)
 
@@ -411,7 +427,7 @@ def projection_bytes(folder: str | Path) -> tuple[int, int]:
     from flowgeom.files import read_json_object
     from flowgeom.io.checkpoints import read_safetensors_header
 
-    header = read_safetensors_header(Path(folder) / "model.safetensors")
+    header = read_safetensors_header(weights_path(folder))
     meta = read_json_object(Path(folder) / JSON_NAME, fix=_FIX)
     factored = dense = 0
     for u in meta["units"]:

@@ -80,7 +80,13 @@ class HealConfig:
     weight_decay: float = 0.0  # AdamW's decoupled weight decay
     temperature: float = 0.0  # langevin: the SDE's temperature s (0: regularised gradient descent)
     reg_lam: float = 1e-6  # langevin: λ of the log regulariser on every trainable matrix
-    norms: bool = False  # also train the RMSNorm gains
+    # the defaults below won at equal tokens on SmolLM2 at 20% (docs/continuity-sharing.md, "Healing")
+    norms: bool = True  # also train the RMSNorm gains
+    train_dense: bool = True  # also train the projections the allocation left dense (factored folders)
+    on_policy: float = 0.0  # fraction of each batch continued by the student's own samples (GKD-style)
+    teacher_samples: float = 0.5  # fraction of each batch continued by the teacher's samples (sequence-level KD)
+    sample_tokens: int | None = None  # sampled tokens ending such a sequence; None: 64, at most half of seq_len
+    sample_temperature: float = 1.0  # temperature of those samples
     text: str = "kjv+pydoc"  # healing text: a shipped text's train split (data/text.py) or a UTF-8 file
     eval_texts: tuple[str, ...] = HELD_OUT  # held-out texts scored every eval_every steps
     eval_every: int = 25  # steps between held-out evaluations (and the last step)
@@ -93,8 +99,22 @@ class HealConfig:
     teacher: str | None = None  # dense model; None: the source recorded in flowgeom_share.json
 
     def __post_init__(self):
-        for name in ("tokens", "seq_len", "batch", "eval_every", "eval_tokens", "eval_context", "checkpoint_every"):
-            positive_int(getattr(self, name), f"heal {name}")
+        for name in ("tokens", "seq_len", "batch", "eval_every", "eval_tokens", "eval_context", "checkpoint_every",
+                     "sample_length"):
+            positive_int(getattr(self, name), "--sample-tokens" if name == "sample_length" else f"heal {name}")
+        for name in ("on_policy", "teacher_samples"):
+            value = finite_number(getattr(self, name), f"--{name.replace('_', '-')}", minimum=0.0,
+                                  fix="pass a fraction of the batch in [0, 1]")
+            if value > 1:
+                raise FlowgeomError(f"--{name.replace('_', '-')} {value} is above 1; pass a fraction of the batch in "
+                                    "[0, 1]")
+        if self.on_policy + self.teacher_samples > 1:
+            raise FlowgeomError(f"--on-policy {self.on_policy} and --teacher-samples {self.teacher_samples} add up to "
+                                "more than the whole batch; keep their sum <= 1")
+        if (self.on_policy or self.teacher_samples) and self.sample_length >= self.seq_len:
+            raise FlowgeomError(f"--sample-tokens {self.sample_length} leaves no text to continue in --seq-len "
+                                f"{self.seq_len}; sample fewer tokens")
+        finite_number(self.sample_temperature, "--sample-temperature", positive=True, fix="pass e.g. 1.0")
         if self.tokens < self.seq_len:
             raise FlowgeomError(f"--tokens {self.tokens} is less than one sequence of {self.seq_len} tokens; heal "
                                 f"with at least {self.seq_len} tokens (a few hundred thousand heal a 20% model)")
@@ -110,6 +130,11 @@ class HealConfig:
             raise choice_error("optimizer", self.optimizer, OPTIMIZERS)
         if not self.eval_texts:
             raise FlowgeomError("heal needs at least one held-out text to judge the student on (e.g. kjv)")
+
+    @property
+    def sample_length(self) -> int:
+        """Sampled tokens at the end of a sampled sequence: ``sample_tokens``, by default 64 or half a sequence."""
+        return self.sample_tokens if self.sample_tokens is not None else max(1, min(64, self.seq_len // 2))
 
     @property
     def steps(self) -> int:
@@ -146,6 +171,44 @@ def batch_starts(step: int, n_tokens: int, config: HealConfig) -> torch.Tensor:
     draws the batches an uninterrupted one draws."""
     gen = torch.Generator().manual_seed(config.seed * 1_000_003 + step)
     return torch.randint(0, n_tokens - config.seq_len - 1, (config.batch_size,), generator=gen)
+
+
+def sampled_rows(step: int, config: HealConfig) -> tuple[int, int]:
+    """``(student rows, teacher rows)``: how many of step ``step``'s sequences are continued by the student's and
+    by the teacher's samples; a fractional share of the batch is rounded by a draw seeded by (seed, step), so the
+    fractions hold on average and a resumed run draws what an uninterrupted one draws."""
+    gen = torch.Generator().manual_seed(config.seed * 1_000_003 + step + 7_919)
+    u = float(torch.rand((), generator=gen))
+    b = config.batch_size
+    student = int(config.on_policy * b + u)
+    teacher = min(b - student, int(config.teacher_samples * b + (1 - u)))
+    return student, teacher
+
+
+def with_samples(batch: torch.Tensor, student, teacher, step: int, config: HealConfig) -> torch.Tensor:
+    """``batch`` (B, T) with the last ``sample_tokens`` tokens of its first rows replaced by samples: the
+    student's own continuations (on-policy distillation: the student is trained on the states its own
+    generations reach, which teacher-forced text never shows it: GKD, Agarwal et al. 2024; MiniLLM, Gu et al.
+    2024), then the teacher's (sequence-level KD, Kim & Rush 2016: the teacher's distribution, not the healing
+    text's). Every position is then scored by the teacher as usual (forward KL). The samples are the batch's
+    *end*: one decoding step costs a read of every weight whatever the rows (memory bound on a CPU), so a
+    sampled tail of 64 tokens after a long text prompt costs a quarter of a sampled 256-token sequence."""
+    from flowgeom.compress.agreement import continue_tokens
+
+    n_student, n_teacher = sampled_rows(step, config)
+    if not n_student and not n_teacher:
+        return batch
+    gen = torch.Generator().manual_seed(config.seed * 1_000_003 + step + 104_729)
+    p, out = batch.shape[1] - config.sample_length, batch.clone()
+    for model, lo, hi in ((student, 0, n_student), (teacher, n_student, n_student + n_teacher)):
+        if hi > lo:
+            was_training = model.training
+            model.eval()
+            tail = continue_tokens(model, batch[lo:hi, :p], batch.shape[1] - p, temperature=config.sample_temperature,
+                                   generator=gen)  # (rows, T - p)
+            model.train(was_training)
+            out[lo:hi, p:] = tail  # copied out of inference mode: the embedding's backward saves the ids
+    return out
 
 
 def hidden_states(model, ids: torch.Tensor, *, checkpointing: bool) -> torch.Tensor:
@@ -241,7 +304,7 @@ def _share_report(folder: Path) -> dict[str, Any]:
     return read_json_object(path, fix="write the folder again with `flowgeom compress run`")
 
 
-def load_student(folder: str | Path, *, norms: bool = False) -> Student:
+def load_student(folder: str | Path, *, norms: bool = False, train_dense: bool = False) -> Student:
     """The compressed model in ``folder`` with its trainable tensors (module docstring)."""
     from flowgeom.compress.arch import arch_of
     from flowgeom.compress.folder import JSON_NAME, is_factored, load_model, read_factored
@@ -267,6 +330,10 @@ def load_student(folder: str | Path, *, norms: bool = False) -> Student:
                 trainable[coeff] = module.coeff
         kind = "factored"
         extra = {JSON_NAME: read_json_object(folder / JSON_NAME, fix="write the folder again")}
+        if train_dense:  # the projections the allocation left dense: the folder's other matrices inside the blocks
+            trainable.update({name: p for name, p in model.named_parameters()
+                              if name.startswith(f"{arch.layers}.") and p.ndim == 2 and name in dtypes
+                              and name not in trainable})
     elif report.get("format") == "dense" and str(report.get("method", "")).startswith("drop"):
         src = open_source(folder / "model.safetensors")
         dtypes = {name: src.load(name).dtype for name in src.shapes}
@@ -289,13 +356,13 @@ def load_student(folder: str | Path, *, norms: bool = False) -> Student:
 def student_identity(folder: Path, teacher: str) -> str:
     """sha256 of what makes a student: config.json, the factored JSON, the safetensors header (names, shapes,
     dtypes, offsets) and the teacher's name. A resume against another model or plan sees another digest."""
-    from flowgeom.compress.folder import JSON_NAME
+    from flowgeom.compress.folder import JSON_NAME, weights_path
 
     h = hashlib.sha256(teacher.encode())
     for name in ("config.json", JSON_NAME):
         if (folder / name).is_file():
             h.update((folder / name).read_bytes())
-    with open(folder / "model.safetensors", "rb") as fh:
+    with open(weights_path(folder), "rb") as fh:
         size = int.from_bytes(fh.read(8), "little")
         h.update(fh.read(min(size, 1 << 26)))
     return h.hexdigest()
@@ -303,9 +370,10 @@ def student_identity(folder: Path, teacher: str) -> str:
 
 def healed_tensors(student: Student) -> dict[str, torch.Tensor]:
     """Every tensor of the folder, the trained ones replaced (each in the dtype it was stored in)."""
+    from flowgeom.compress.folder import weights_path
     from flowgeom.io.sources import open_source
 
-    src = open_source(student.folder / "model.safetensors")
+    src = open_source(weights_path(student.folder))
     out = {name: src.load(name) for name in student.dtypes if name not in student.trainable}
     for name, p in student.trainable.items():
         out[name] = p.detach().to(student.dtypes[name]).contiguous()
@@ -314,9 +382,10 @@ def healed_tensors(student: Student) -> dict[str, torch.Tensor]:
 
 def original_tensors(student: Student) -> dict[str, torch.Tensor]:
     """The trainable tensors as the folder stores them (the start of the run)."""
+    from flowgeom.compress.folder import weights_path
     from flowgeom.io.sources import open_source
 
-    src = open_source(student.folder / "model.safetensors")
+    src = open_source(weights_path(student.folder))
     return {name: src.load(name) for name in student.trainable}
 
 
@@ -479,7 +548,8 @@ def heal_folder(folder: str | Path, out: str | Path, config: HealConfig, *, forc
     (then it is removed; a diverged run keeps it); ``heal.jsonl``, ``heal.json`` and ``heal.png`` go into ``out``. ``in_place`` allows ``out == folder`` (``share
     --heal``: the folder is read whole before it is replaced).
     """
-    from flowgeom.compress.folder import JSON_NAME
+    from flowgeom.compress.auto import factored_config_json
+    from flowgeom.compress.folder import JSON_NAME, WEIGHTS_NAME
     from flowgeom.compress.folder import load_model as load_any
     from flowgeom.compress.run import source_path
     from flowgeom.compress.write import check_out_folder, save_llama_folder, write_folder, write_model_files
@@ -503,7 +573,7 @@ def heal_folder(folder: str | Path, out: str | Path, config: HealConfig, *, forc
     ids = _healing_ids(config, tokenizer)
     held_out = {name: _held_out_ids(name, tokenizer, config.eval_tokens) for name in config.eval_texts}
 
-    student = load_student(folder, norms=config.norms)
+    student = load_student(folder, norms=config.norms, train_dense=config.train_dense)
     teacher = load_any(teacher_path).eval()
     for p in teacher.parameters():
         p.requires_grad_(False)
@@ -536,6 +606,7 @@ def heal_folder(folder: str | Path, out: str | Path, config: HealConfig, *, forc
             group["lr"] = lr
         starts = batch_starts(k, len(ids), config)
         batch = torch.stack([ids[s: s + config.seq_len] for s in starts.tolist()]).long()  # (B, T)
+        batch = with_samples(batch, student.model, teacher, k, config)
         loss = distillation_step_loss(student.model, teacher, batch, checkpointing=config.checkpointing)
         value = float(loss.detach())
         if run.first_loss is None:
@@ -583,8 +654,8 @@ def heal_folder(folder: str | Path, out: str | Path, config: HealConfig, *, forc
     def fill(tmp: Path) -> None:
         tensors = healed_tensors(student)
         if student.kind == "factored":
-            write_model_files(tmp, tensors, student.config_json, tokenizer=tokenizer, report=new_report,
-                              extra={JSON_NAME: student.extra[JSON_NAME]})
+            write_model_files(tmp, tensors, factored_config_json(student.config_json), tokenizer=tokenizer,
+                              report=new_report, extra={JSON_NAME: student.extra[JSON_NAME]}, weights=WEIGHTS_NAME)
         else:
             save_llama_folder(tmp, student.config_json, tensors, tokenizer=tokenizer, report=new_report)
         atomic_write_bytes(tmp / LOG, "".join(to_json(h) + "\n" for h in run.history).encode(), root=tmp)

@@ -42,6 +42,7 @@ from flowgeom.compress import factorize as fz
 from flowgeom.compress.calibrate import ROLE_GRAM, Calibration
 from flowgeom.compress.blocks import HF_NAMES, ROLES, SEED_SPACE, layer_groups
 from flowgeom.errors import FlowgeomError, choice_error
+from flowgeom.memory import trim_heap
 
 METHODS = ("svd", "whiten", "basis-sharing", "share", "continuity")
 BS_SHARED = ("q", "k", "v", "gate", "up")
@@ -306,12 +307,15 @@ def compress(plan_: Plan, state: Mapping[str, torch.Tensor], calib: Calibration 
     factors, notes = [], []
     full = {} if full is None or refit else full
     for i, unit in enumerate(plan_.units):
-        grams = None if calib is None else calib.role_grams(unit.role, unit.layers)
         key = (unit.role, unit.space, unit.layers)
-        f = truncate(full[key], unit.rank) if key in full else _unit_factors(unit, state, grams, refit)
+        if key in full:
+            f = truncate(full[key], unit.rank)
+        else:
+            f = _unit_factors(unit, state, None if calib is None else calib.role_grams(unit.role, unit.layers), refit)
         if (note := _shift_note(unit, f)) is not None:
             notes.append(note)
         factors.append(_as_float(f))
+        trim_heap()
         if progress:
             progress(i + 1, len(plan_.units))
     return Compressed(plan_, factors, notes)
@@ -327,16 +331,20 @@ def calibration_groups(plan_: Plan, n_layers: int) -> list[list[int]]:
 
 
 def compress_sequential(plan_: Plan, model, ids: torch.Tensor, *, refit: bool = False, batch: int = 4,
-                        progress: Callable[[int, int], None] | None = None) -> tuple[Compressed, Calibration]:
+                        progress: Callable[[int, int], None] | None = None,
+                        state: Mapping[str, torch.Tensor] | None = None) -> tuple[Compressed, Calibration]:
     """Factorise ``plan_`` group by group, each group's Grams measured on the outputs of the already-compressed
     blocks before it (SVD-LLM's and Basis Sharing's sequential calibration). ``model`` (any family of
-    :mod:`flowgeom.compress.arch`) is modified in place: its projections become the dense reconstructions."""
+    :mod:`flowgeom.compress.arch`) is modified in place: its projections become the dense reconstructions.
+    ``state``: its role weights before that (default: copied from ``model``); the Grams wait on disk."""
     from flowgeom.compress.arch import arch_of, role_state, set_role_weight
     from flowgeom.compress.calibrate import calibrate
+    from flowgeom.compress.store import GramFiles, TensorFiles
 
     arch = arch_of(model.config)
     n_layers = len(model.get_submodule(arch.layers))
-    state = role_state(arch, {k: v.detach().clone() for k, v in model.state_dict().items()}, n_layers)
+    if state is None:
+        state = role_state(arch, {k: v.detach().clone() for k, v in model.state_dict().items()}, n_layers)
     by_first: dict[int, list[int]] = {}
     for i, u in enumerate(plan_.units):
         by_first.setdefault(min(u.layers), []).append(i)
@@ -357,7 +365,7 @@ def compress_sequential(plan_: Plan, model, ids: torch.Tensor, *, refit: bool = 
                     set_role_weight(model, arch, x, unit.role, w)
 
     calib = calibrate(model, ids, groups=calibration_groups(plan_, n_layers), batch=batch, on_group=on_group,
-                      progress=progress)
+                      progress=progress, store=GramFiles(TensorFiles.temporary(), n_layers))
     return Compressed(plan_, [f for f in factors], notes), calib
 
 
@@ -367,13 +375,33 @@ ALLOCATIONS = ("even", "loss")
 LOSS_SCORE, LOSS_RULE = "taylor", "lagrange"  # the measured best (docs/continuity-sharing.md)
 
 
-def full_factors(plan_: Plan, state: Mapping[str, torch.Tensor], calib: Calibration) -> list[fz.Factors]:
-    """Every unit of ``plan_`` factorised at full rank (``min(m, n)``), float32: all its components."""
-    out = []
+def full_factors(plan_: Plan, state: Mapping[str, torch.Tensor], calib: Calibration, *,
+                 out: list | None = None) -> Sequence[fz.Factors]:
+    """Every unit of ``plan_`` factorised at full rank (``min(m, n)``), float32: all its components, appended
+    to ``out`` one unit at a time (default a list; a :class:`~flowgeom.compress.store.FactorFiles` keeps them
+    on disk, ~1.5x the projections' size)."""
+    out = [] if out is None else out
     for u in plan_.units + plan_.dense:
         mats = torch.stack([state[weight_key(l, u.role)] for l in u.layers])
         out.append(_as_float(fz.factorize(mats, calib.role_grams(u.role, u.layers), min(u.shape), u.space)))
+        trim_heap()  # the unit's float64 temporaries
     return out
+
+
+class FullFactors(Mapping):
+    """Unit key ``(role, space, layers)`` -> its full-rank factors, read from ``factors`` when asked for."""
+
+    def __init__(self, keys: Sequence[tuple], factors: Sequence[fz.Factors]):
+        self.index, self.factors = {k: i for i, k in enumerate(keys)}, factors
+
+    def __getitem__(self, key: tuple) -> fz.Factors:
+        return self.factors[self.index[key]]
+
+    def __iter__(self):
+        return iter(self.index)
+
+    def __len__(self) -> int:
+        return len(self.index)
 
 
 def truncate(f: fz.Factors, rank: int) -> fz.Factors:
@@ -385,13 +413,29 @@ def truncate(f: fz.Factors, rank: int) -> fz.Factors:
                       f.sigma, f.shift)
 
 
-def probes(units: Sequence[Unit], factors: Sequence[fz.Factors]) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
-    """Per (layer, role): ``(P (m, r), Q (r, n))`` with ``W_l = P Q`` component by component (allocate's docstring)."""
-    out = {}
-    for u, f in zip(units, factors):
-        for l, c in zip(u.layers, f.coeffs):
-            out[(l, u.role)] = (c, f.basis) if f.space == "input" else (f.basis, c)
-    return out
+class Probes(Mapping):
+    """Per (layer, role): ``(P (m, r), Q (r, n))`` with ``W_l = P Q`` component by component (allocate's
+    docstring), taken from the unit's factors when asked for (a lazy ``factors`` is read one unit at a time)."""
+
+    def __init__(self, units: Sequence[Unit], factors: Sequence[fz.Factors]):
+        self.factors = factors
+        self.where = {(l, u.role): (i, j) for i, u in enumerate(units) for j, l in enumerate(u.layers)}
+
+    def __getitem__(self, key: tuple[int, str]) -> tuple[torch.Tensor, torch.Tensor]:
+        i, j = self.where[key]
+        f = self.factors[i]
+        return (f.coeffs[j], f.basis) if f.space == "input" else (f.basis, f.coeffs[j])
+
+    def __iter__(self):
+        return iter(self.where)
+
+    def __len__(self) -> int:
+        return len(self.where)
+
+
+def probes(units: Sequence[Unit], factors: Sequence[fz.Factors]) -> Probes:
+    """The :class:`Probes` of ``units`` factorised as ``factors``."""
+    return Probes(units, factors)
 
 
 def speed_cap(shape: tuple[int, int], flops: float) -> int:
@@ -441,11 +485,13 @@ def allocate_by_loss(plan_: Plan, state: Mapping[str, torch.Tensor], calib: Cali
     if cache is not None and key in cache:
         sens, loss = cache[key]
     else:
-        factors = full_factors(plan_, state, calib)
+        from flowgeom.compress.store import FactorFiles, TensorFiles
+
+        factors = full_factors(plan_, state, calib, out=FactorFiles(TensorFiles.temporary()))  # on disk
         sens, loss = sensitivity(model(), ids, probes(units, factors), progress=progress)
         if cache is not None:
             cache[key] = (sens, loss)
-            cache["full"] = {k: f for k, f in zip(key, factors)}  # the latest layout's, for compress(full=...)
+            cache["full"] = FullFactors(key, factors)  # the latest layout's, for compress(full=...)
     cands = candidates(units, sens, "first" if rule == "zero-sum" else score, flops)
     scope = sum(u.dense_params for u in units)
     target = math.ceil(plan_.ratio * scope)

@@ -141,10 +141,10 @@ def resolve_spaces(space: str | None, roles: Sequence[str], evidence: Mapping[st
 
 def calibration_ids(source: Path, calib: str, tokens: int, seq_len: int, tokenizer) -> torch.Tensor:
     """(S, seq_len) calibration ids from ``calib``: the train split of a shipped text (``kjv``, ``kjv+pydoc``
-    ...), or a UTF-8 file."""
+    ...), or a UTF-8 file; only the prefix that holds them is tokenised (:func:`flowgeom.data.tokens.leading_ids`)."""
     from flowgeom.compress.calibrate import sequences
     from flowgeom.data.text import check_text, load_text
-    from flowgeom.data.tokens import token_ids
+    from flowgeom.data.tokens import leading_ids
 
     if tokenizer is None:
         raise FlowgeomError(f"{source} has no tokenizer, so calibration text cannot be tokenised; copy the original "
@@ -153,7 +153,7 @@ def calibration_ids(source: Path, calib: str, tokens: int, seq_len: int, tokeniz
     text = load_text(calib, split="train")
     if not text.strip():
         raise FlowgeomError(f"--calib {calib} holds no text; pass a UTF-8 text of at least --calib-tokens tokens")
-    ids = token_ids(text, tokenizer)
+    ids = leading_ids(text, tokenizer, tokens if isinstance(tokens, int) and tokens > 0 else len(text))
     return sequences(ids, tokens, seq_len)
 
 
@@ -220,7 +220,8 @@ def compress_model(config: ShareConfig, cfg, state, source: Path, tokenizer, *, 
                    calib_cache: dict | None = None) -> tuple[C.Compressed, dict[str, Any]]:
     """Plan + factors of one budget (the calibration shared through ``calib_cache`` across a sweep)."""
     from flowgeom.compress.calibrate import cached_calibration, calibrate, check_rank
-    from flowgeom.compress.source import build_model
+    from flowgeom.compress.source import build_model, view_model
+    from flowgeom.compress.store import GramFiles, TensorFiles
 
     L = cfg.num_hidden_layers
     if config.method in ("basis-sharing", "share"):
@@ -230,17 +231,19 @@ def compress_model(config: ShareConfig, cfg, state, source: Path, tokenizer, *, 
     cache = calib_cache if calib_cache is not None else {}
     if config.calibrated:
         if "ids" not in cache:
+            check_vocab(tokenizer, cfg, source)
             cache["ids"] = calibration_ids(source, config.calib, config.calib_tokens, config.seq_len, tokenizer)
             check_rank(input_widths(state), config.calib_tokens)
         ids = cache["ids"]
         if "calib" not in cache:
-            model = build_model(cfg, state)
+            model = view_model(cfg, state)  # read only: the weights are not copied
             step = (lambda d, t: progress("calibrate", d, t)) if progress else None
             t0 = time.perf_counter()
             if config.cache:
                 cache["calib"], hit = cached_calibration(model, state, ids, progress=step)
-            else:
-                cache["calib"], hit = calibrate(model, ids, progress=step), False
+            else:  # the Grams wait on disk, block by block, all the same (flowgeom.compress.store)
+                store = GramFiles(TensorFiles.temporary(), cfg.num_hidden_layers)
+                cache["calib"], hit = calibrate(model, ids, progress=step, store=store), False
             cache["calib_seconds"], cache["calib_cached"] = time.perf_counter() - t0, hit
             del model
         calib = cache["calib"]
@@ -270,7 +273,8 @@ def compress_model(config: ShareConfig, cfg, state, source: Path, tokenizer, *, 
     step = (lambda d, t: progress("factorise", d, t)) if progress else None
     if config.sequential:
         model = build_model(cfg, state)
-        compressed, _ = C.compress_sequential(p, model, cache["ids"], refit=config.refit, progress=step)
+        compressed, _ = C.compress_sequential(p, model, cache["ids"], refit=config.refit, progress=step,
+                                              state=state)
         del model
     else:
         compressed = C.compress(p, state, calib, refit=config.refit, progress=step,
@@ -282,11 +286,11 @@ def compress_model(config: ShareConfig, cfg, state, source: Path, tokenizer, *, 
 def _loss_ranks(config: ShareConfig, cfg, state, p: C.Plan, calib, cache: dict, progress: Progress | None):
     """``p`` with ranks allocated by the calibration loss (:func:`flowgeom.compress.plan.allocate_by_loss`)."""
     from flowgeom.compress.calibrate import GRAD_TOKENS
-    from flowgeom.compress.source import build_model
+    from flowgeom.compress.source import view_model
 
     ids = cache["ids"][: max(1, GRAD_TOKENS // config.seq_len)]
     step = (lambda d, t: progress("gradients", d, t)) if progress else None
-    return C.allocate_by_loss(p, state, calib, lambda: build_model(cfg, state), ids, progress=step,
+    return C.allocate_by_loss(p, state, calib, lambda: view_model(cfg, state), ids, progress=step,
                               cache=cache.setdefault("sensitivity", {}), flops=config.max_flops)
 
 
@@ -298,14 +302,15 @@ def drop_blocks(config: ShareConfig, cfg, state, source: Path, tokenizer, *, pro
 
     from flowgeom.compress.calibrate import cached_calibration
     from flowgeom.compress.blocks import angular_drop, bi_drop, block_params, drop_count, drop_layers
-    from flowgeom.nn.llama import llama_from_state
+    from flowgeom.compress.source import view_model
 
     cache = calib_cache if calib_cache is not None else {}
     if "ids" not in cache:
+        check_vocab(tokenizer, cfg, source)
         cache["ids"] = calibration_ids(source, config.calib, config.calib_tokens, config.seq_len, tokenizer)
     if "calib" not in cache:
         step = (lambda d, t: progress("calibrate", d, t)) if progress else None
-        cache["calib"], _ = cached_calibration(llama_from_state(cfg, state), state, cache["ids"], progress=step)
+        cache["calib"], _ = cached_calibration(view_model(cfg, state), state, cache["ids"], progress=step)
     L = cfg.num_hidden_layers
     C._shapes(state, config.roles, L)
     scope = sum(L * state[C.weight_key(0, r)].numel() for r in config.roles)
@@ -352,6 +357,7 @@ def share_model(source: str, out: Path, config: ShareConfig, *, force: bool = Fa
     config = for_family(config, cfg)
     check_weights(state, config.roles, cfg.num_hidden_layers)
     tokenizer = model_tokenizer(path)
+    check_vocab(tokenizer, cfg, source)  # every method writes the tokenizer beside the weights
     if config.method in DROP_METHODS:
         return _share_by_dropping(source, out, config, cfg, state, path, tokenizer, force=force, progress=progress,
                                   t0=t0)
@@ -422,8 +428,23 @@ def source_path(spec: str) -> Path:
         return builtin_path(spec)
     path = Path(spec)
     if not path.exists():
-        raise FlowgeomError(f"source {spec} does not exist; pass a .gguf, builtin:smollm2 or an HF Llama folder")
+        from flowgeom.compress.arch import CAUSAL_FAMILIES
+
+        raise FlowgeomError(f"source {spec} does not exist; pass a Llama .gguf, builtin:smollm2 or an HF folder "
+                            f"(config.json + safetensors) of one of: {', '.join(CAUSAL_FAMILIES)}")
     return path
+
+
+def check_vocab(tokenizer, cfg, source) -> None:
+    """Refuse a tokenizer with more tokens than the model has embedding rows (``vocab_size``): its ids past the
+    last row index nothing (a raw IndexError deep in the first forward pass otherwise)."""
+    if tokenizer is None:
+        return
+    tokens, rows = tokenizer.get_vocab_size(), int(cfg.vocab_size)
+    if tokens > rows:
+        raise FlowgeomError(f"{source}: its tokenizer has {tokens:,} tokens but the model has {rows:,} token "
+                            f"embeddings (vocab_size {rows:,}), so ids {rows:,} and above index nothing; put the "
+                            "model's own tokenizer.json beside its weights")
 
 
 def model_tokenizer(path: Path):

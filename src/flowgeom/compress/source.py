@@ -134,6 +134,26 @@ def build_model(cfg: Any, state: dict[str, torch.Tensor], *, dtype: torch.dtype 
     return model.to(dtype).eval()
 
 
+def view_model(cfg: Any, state: dict[str, torch.Tensor]) -> nn.Module:
+    """The runnable model (eval mode) of a role ``state`` whose parameters *are* ``state``'s tensors (no copy),
+    for passes that only read the weights (calibration, calibration gradients): flowgeom's Llama with float32
+    contiguous weights; any other source is copied by :func:`build_model`. Writing into the model's weights
+    writes into ``state``: a pass that changes them (the sequential variant) takes :func:`build_model`."""
+    if not is_native(cfg) or any(t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu"
+                                 for t in state.values()):
+        return build_model(cfg, state)
+    from flowgeom.nn.llama import LlamaForCausalLM, check_state
+
+    check_state(cfg, state)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    own = {k: v for k, v in state.items() if not (k == "lm_head.weight" and cfg.tie_word_embeddings)}
+    model.load_state_dict(own, strict=not cfg.tie_word_embeddings, assign=True)  # lm_head: tied just below
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval()
+
+
 def family_json(cfg: Any) -> dict:
     """The config.json object of a model of ``cfg``."""
     if is_native(cfg):

@@ -22,7 +22,7 @@
    temporary files, and move on with ``h_{l+1}`` = the dense block's output
    (or, with ``sequential``, the output of the block rebuilt from its
    factors, as :func:`~flowgeom.compress.plan.compress_sequential` does);
-5. ``model.safetensors`` is assembled from the temporaries and the source's
+5. ``flowgeom_factored.safetensors`` is assembled from the temporaries and the source's
    untouched tensors (embeddings, final norm, an untied head) one tensor at a
    time, and the temporaries are deleted; everything happens inside
    :func:`~flowgeom.compress.write.write_folder`'s temporary folder, so an
@@ -43,7 +43,6 @@ Calibration and factorisation run on the CPU (no ``--device``).
 
 from __future__ import annotations
 
-import ctypes
 import math
 import sys
 import time
@@ -58,9 +57,10 @@ import torch.nn.functional as F
 from flowgeom.compress import plan as C
 from flowgeom.compress.blocks import HF_NAMES
 from flowgeom.compress.calibrate import GRAM_KEYS, ROLE_GRAM, check_rank, gram_hooks
-from flowgeom.compress.folder import FORMAT, JSON_NAME, VERSION, basis_name, coeff_name
-from flowgeom.compress.run import STORAGE, Progress, ShareConfig, calibration_ids, model_tokenizer
+from flowgeom.compress.folder import FORMAT, JSON_NAME, VERSION, WEIGHTS_NAME, basis_name, coeff_name
+from flowgeom.compress.run import STORAGE, Progress, ShareConfig, calibration_ids, check_vocab, model_tokenizer
 from flowgeom.errors import FlowgeomError
+from flowgeom.memory import trim_heap
 
 STREAM_METHODS = ("svd", "whiten")  # every unit is one role of one layer: the block holds all it needs
 BATCH = 4  # sequences per forward call: calibrate()'s default, so the Grams are summed in the same order
@@ -230,22 +230,13 @@ def _factor_block(units, block: dict, grams: dict | None, save: Callable[[dict],
         uses[key] -= 1
         if grams is not None and not uses[key]:
             del grams[key]
-        _trim()
+        trim_heap()
     return errors, notes
 
 
 def _stored_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
     """The factored folder's rule (:func:`~flowgeom.compress.folder.factored_tensors`): norms float32."""
     return torch.float32 if name.endswith("norm.weight") else dtype
-
-
-def _trim() -> None:
-    """Hand freed heap memory back to the system (glibc): freed blocks of the worker threads' arenas otherwise
-    stay resident, and the peak of a block's work stacks on the leftovers of the one before."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass  # not glibc: nothing to trim
 
 
 # ---------------------------------------------------------------- the whole model, block by block
@@ -270,7 +261,7 @@ def _stream_blocks(tmp: Path, src, cfg, plan_: C.Plan, ids: torch.Tensor | None,
         embed = "model.embed_tokens.weight"
         h = F.embedding(ids, float_weights(src.label, {embed: src.load(embed)})[embed])  # (S, T, d)
         cos, sin = rope_tables(cfg, ids.shape[1], dtype=h.dtype)  # (T, hd) each
-        _trim()
+        trim_heap()
     by_layer: dict[int, list[C.Unit]] = {}
     for unit in plan_.units:
         by_layer.setdefault(unit.layers[0], []).append(unit)
@@ -291,7 +282,7 @@ def _stream_blocks(tmp: Path, src, cfg, plan_: C.Plan, ids: torch.Tensor | None,
             if not config.sequential:  # the block's input and module are done with: free them before factorising
                 h, layer = out, None
             del out
-            _trim()  # the forward's freed activations
+            trim_heap()  # the forward's freed activations
         block_errors, block_notes = _factor_block(units, block, grams, save, layer=layer)
         errors |= {(l, role): e for role, e in block_errors.items()}
         notes += block_notes
@@ -299,7 +290,7 @@ def _stream_blocks(tmp: Path, src, cfg, plan_: C.Plan, ids: torch.Tensor | None,
         if layer is not None:  # sequential: the compressed block's own output feeds the next block's Grams
             h = _run(layer, h, cos, sin, None)
         del block, layer, grams  # before the next block is read
-        _trim()
+        trim_heap()
         if progress:
             progress("stream", l + 1, L)
     return files, errors, notes, seconds
@@ -331,7 +322,7 @@ class _Pending:
 
 
 def _final_tensors(src, cfg, files: list[Path], dtype: torch.dtype) -> dict[str, _Pending]:
-    """Every tensor of ``model.safetensors``, pending: the blocks' temporaries and the source's other tensors."""
+    """Every tensor of the weights file, pending: the blocks' temporaries and the source's other tensors."""
     from flowgeom.io import open_source
     from flowgeom.nn.llama import float_weights
 
@@ -410,6 +401,7 @@ def stream_share(source: str, out: Path, config: ShareConfig, *, force: bool = F
     if config.rank is not None:
         plan_ = C.with_rank(plan_, config.rank)
     tokenizer = model_tokenizer(path)
+    check_vocab(tokenizer, cfg, source)
     facts: dict[str, Any] = {"allocate": "even", "notes": []}
     if config.allocate is None and config.calibrated:
         facts["notes"].append("ranks even: --stream cannot allocate by the calibration loss (its gradients flow "
@@ -439,7 +431,7 @@ def stream_share(source: str, out: Path, config: ShareConfig, *, force: bool = F
         if progress:
             progress("assemble", 0, 1)
         write_model_files(tmp, tensors, factored_config_json(cfg.to_hf()), tokenizer=tokenizer, report=report,
-                          extra={JSON_NAME: meta_json})
+                          extra={JSON_NAME: meta_json}, weights=WEIGHTS_NAME)
         for f in files:
             f.unlink()
         if progress:

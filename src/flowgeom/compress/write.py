@@ -142,12 +142,13 @@ def stream_safetensors(fh, tensors: dict, metadata: dict[str, str] | None = None
 
 
 def write_model_files(folder: Path, tensors: dict, config_json: dict, *, tokenizer=None, report: dict | None = None,
-                      extra: dict[str, dict] | None = None) -> None:
-    """``model.safetensors``, ``config.json``, ``extra`` JSON files, ``tokenizer.json`` and ``flowgeom_share.json``
-    (the compression report) in ``folder``, each through :func:`flowgeom.runs.atomic_write`."""
+                      extra: dict[str, dict] | None = None, weights: str = "model.safetensors") -> None:
+    """``weights`` (the tensors; a factored folder names its own, :data:`flowgeom.compress.folder.WEIGHTS_NAME`),
+    ``config.json``, ``extra`` JSON files, ``tokenizer.json`` and ``flowgeom_share.json`` (the compression report)
+    in ``folder``, each through :func:`flowgeom.runs.atomic_write`."""
     from flowgeom.runs import atomic_write, atomic_write_bytes, atomic_write_json
 
-    atomic_write(folder / "model.safetensors", lambda fh: stream_safetensors(fh, tensors, {"format": "pt"}), root=folder)
+    atomic_write(folder / weights, lambda fh: stream_safetensors(fh, tensors, {"format": "pt"}), root=folder)
     jsons = {"config.json": config_json, **(extra or {}), **({} if report is None else {"flowgeom_share.json": report})}
     for name, obj in jsons.items():
         atomic_write_json(folder / name, obj, root=folder)

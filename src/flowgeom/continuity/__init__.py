@@ -9,6 +9,7 @@ Public API::
 Pure metric functions (two matrices or two stacks in, tensors out) for reuse:
 ``top_singular_pairs``, ``v1_cos``, ``u1_cos``, ``subspace_alignment``,
 ``index_matched_alignment``, ``gram_similarity_in/out``, ``pair_metrics``,
+``sketch_similarity`` (the sigma^2-Gram similarity by Hutch++, with its 95% interval),
 and the random baselines ``analytic_baselines``, ``monte_carlo_baselines``,
 ``expected_abs_cos``. See ``docs/continuity.md``.
 
@@ -34,6 +35,7 @@ from flowgeom.continuity.metrics import (
     v1_cos,
 )
 from flowgeom.continuity.naming import ROLES, SCHEMES, resolve_roles
+from flowgeom.continuity.sketch import sketch_similarity
 from flowgeom.continuity.spectra import SingularPairs, full_singular_pairs, top_singular_pairs
 from flowgeom.io import BUILTINS, TensorSource, open_source
 
@@ -42,6 +44,6 @@ __all__ = [
     "monte_carlo_baselines", "abs_cos", "gram_similarity", "gram_similarity_in", "gram_similarity_out",
     "index_matched_alignment", "pair_metrics", "subspace_alignment", "u1_cos", "v1_cos", "ROLES", "SCHEMES",
     "resolve_roles", "BUILTINS", "TensorSource", "open_source", "SingularPairs", "full_singular_pairs",
-    "top_singular_pairs",
+    "top_singular_pairs", "sketch_similarity",
 ]
 

@@ -20,10 +20,23 @@ Verdict rule (per role, on the adjacent pairs = the first distance):
 ``output-continuous`` in the mirror case, ``input+output-continuous`` if both,
 ``neither`` otherwise. The default threshold 3 is far outside chance: the
 mean over L-1 random pairs of |cos| has relative spread ~0.75/sqrt(L-1).
+
+**The sigma^2-Gram similarity, exact or sketched** (``gram_method``, issue 41).
+``exact`` forms the small-side Gram and one cross product per pair (``3 D d^2``
+flops); ``sketch`` estimates it by Hutch++ with shared Rademacher probes and
+carries a 95% interval (:mod:`flowgeom.continuity.sketch`); ``auto`` (default)
+sketches the roles whose exact pair would take more than a second or two
+(:func:`flowgeom.continuity.sketch.choose`) and says which in ``roles[R].gram``.
+A sketched role keeps its matrices in the compute dtype in the window (the
+pair products need them) and forms no Gram unless the dense eigensolver or
+``--spectra`` needs one. The verdict reads v1/u1, which are never sketched; a
+sketched metric whose ratio interval straddles the threshold is flagged
+(``metrics[M].straddles_threshold``).
 """
 
 from __future__ import annotations
 
+import operator
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -34,6 +47,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from flowgeom.continuity import _blas
+from flowgeom.continuity import sketch as _sketch
 from flowgeom.continuity.baselines import METRICS, analytic_baselines, monte_carlo_baselines
 from flowgeom.continuity.metrics import gram_fro, gram_numerator, pair_metrics
 from flowgeom.continuity.layouts import NamingHints, check_config_shapes, hints_for
@@ -46,6 +60,7 @@ from flowgeom.memory import USABLE_FRACTION, budget
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
 BASELINES = ("analytic", "montecarlo")
+GRAM_METHODS = ("auto", "exact", "sketch")
 
 
 @dataclass(frozen=True)
@@ -63,7 +78,10 @@ class AnalyzeConfig:
     threshold: float = 3.0  # verdict: ratio to baseline counted as continuous
     tol: float = 1e-10  # Krylov residual tolerance (relative to sigma_1^2)
     solver: str = "auto"  # top-k eigenpairs of the Gram: auto | krylov | dense (see spectra.py)
-    gram: bool = True  # sigma^2-Gram similarity: an exact m n^2 cross product per pair off the small side
+    gram: bool = True  # sigma^2-Gram similarity at all (False: --no-gram)
+    gram_method: str = "auto"  # exact | sketch | auto (sketch where an exact pair would take > ~1.5 s; sketch.py)
+    probes: int | None = None  # sketch: Rademacher probes per matrix and space (default: the rule from rel_error)
+    rel_error: float | None = None  # sketch: target 95% half-width relative to the value (default 0.02)
     heads: int | None = None  # query heads for splitting fused q|k|v (default: from the model config)
     kv_heads: int | None = None  # key/value heads for splitting fused q|k|v (default: from the model config)
     merge_lora: bool = False  # analyse W + s·B A for PEFT LoRA-adapted projections instead of the base W
@@ -87,6 +105,33 @@ class AnalyzeConfig:
         if finite_number(self.threshold, "--threshold", fix="a ratio to chance > 1, e.g. 3") <= 1:
             raise FlowgeomError(f"--threshold must be > 1 (a ratio to chance), got {self.threshold}")
         finite_number(self.tol, "--tol", positive=True, fix="a small relative residual, e.g. 1e-10")
+        try:
+            if isinstance(self.seed, bool):
+                raise TypeError
+            seed_ok = 0 <= operator.index(self.seed) < 2**63
+        except TypeError:
+            seed_ok = False
+        if not seed_ok:
+            raise FlowgeomError(f"--seed must be a whole number in [0, 2**63), got {type(self.seed).__name__} "
+                                f"{self.seed!r}")
+        require_choices(self, gram_method=GRAM_METHODS)
+        if not self.gram and self.gram_method == "sketch":
+            raise FlowgeomError("--gram sketch asks for the sigma^2-Gram similarity and --no-gram skips it; "
+                                "drop one of them")
+        if self.probes is not None:
+            positive_int(self.probes, "--probes", fix="e.g. --probes 32 (or leave it out: --rel-error sets it)")
+            if self.rel_error is not None:
+                raise FlowgeomError(f"--probes {self.probes} fixes the probe count and --rel-error {self.rel_error} "
+                                    "asks the rule to choose it; give one of them")
+        if self.rel_error is not None:
+            e = finite_number(self.rel_error, "--rel-error", fix="a fraction, e.g. 0.02 for 2%")
+            if not 0 < e < 1:
+                raise FlowgeomError(f"--rel-error must be between 0 and 1 (a fraction: 0.02 = 2%), got {e!r}")
+
+    @property
+    def target_error(self) -> float:
+        """The relative 95% half-width the probe rule aims at (sketch.DEFAULT_REL_ERROR unless set)."""
+        return _sketch.DEFAULT_REL_ERROR if self.rel_error is None else float(self.rel_error)
 
 
 def verdict(r_in: float | None, r_out: float | None, threshold: float) -> str:
@@ -106,6 +151,7 @@ class _LayerState:
     pairs: object  # SingularPairs of this matrix
     spectrum: dict | None = None  # layer spectra (config.spectra): powerlaw.layer_spectrum + eigenvalue source
     side: str = "in"  # which side the Gram is on ("in": A^T A, "out": A A^T)
+    sketches: dict | None = None  # {space: sketch.LayerSketch} of a sketched role (extended as the probe rule grows)
 
 
 @dataclass
@@ -114,6 +160,7 @@ class _RoleRun:
     pairs: list[dict] = field(default_factory=list)
     spectra: list[dict] = field(default_factory=list)
     seconds: float = 0.0  # wall time of the role (with workers > 1: while sharing the CPU with other roles)
+    sketchers: dict | None = None  # {space: sketch.SpaceSketcher} of a sketched role
 
 
 def _stats(values: Sequence[float]) -> dict[str, float]:
@@ -137,8 +184,15 @@ class Analyzer:
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.dtype]
         self.metrics = METRICS if config.gram else tuple(m for m in METRICS if not m.startswith("gram_"))
+        self.gram_of: dict[str, tuple[str, str]] = {}  # role: (exact | sketch, why)
         for role, refs in self.layout.roles.items():
             m, n = refs[0].shape
+            if config.gram:
+                self.gram_of[role] = _sketch.choose((m, n), config.gram_method, device=config.device)
+            if self.gram_of.get(role, ("",))[0] == "sketch" and config.probes is not None and config.probes > min(m, n):
+                raise FlowgeomError(f"--probes {config.probes} is beyond the side {min(m, n)} of role {role} "
+                                    f"{[m, n]}: more probes than the matrix's rank bound estimate nothing more; "
+                                    f"use --probes {min(m, n)} or fewer, or --gram exact")
             self.k_of[role] = config.k
             if config.k > min(m, n) and (role == "router" or role.endswith(".router")):
                 self.k_of[role] = min(m, n)  # one row per expert (a shared-expert gate has one row)
@@ -154,9 +208,25 @@ class Analyzer:
         refs = self.layout.roles[role]
         compute = torch.empty((), dtype=self.dtype).element_size()
         stored = max(getattr(self.source, "itemsizes", {}).get(r.tensor, compute) for r in refs)
-        bf16 = self.config.gram and self.dtype == torch.float32 and self.device.type == "cpu" and stored == 2
+        sketch = self.sketched(role)
+        bf16 = (self.config.gram and not sketch and self.dtype == torch.float32 and self.device.type == "cpu"
+                and stored == 2)
         return role_memory(refs[0].shape, stored=stored, compute=compute, batch=self.config.batch,
-                           keep=max(self.config.distances), gram=self.config.gram, bf16_window=bf16)
+                           keep=max(self.config.distances), gram=self.config.gram, bf16_window=bf16, sketch=sketch)
+
+    def sketched(self, role: str) -> bool:
+        """Whether ``role``'s sigma^2-Gram similarity is sketched (``gram_method`` and the role's shape)."""
+        return self.gram_of.get(role, ("",))[0] == "sketch"
+
+    def sketchers(self, role: str) -> dict[str, _sketch.SpaceSketcher] | None:
+        """Fresh probe state for one pass over ``role`` (None when it is not sketched)."""
+        if not self.sketched(role):
+            return None
+        m, n = self.layout.roles[role][0].shape
+        cap = _sketch.cap_for((m, n), self.config.gram_method)
+        return {space: _sketch.SpaceSketcher(role, space, n if space == "in" else m, seed=self.config.seed,
+                                             probes=self.config.probes, rel_error=self.config.target_error, cap=cap)
+                for space in ("in", "out")}
 
     def _load(self, ref: MatrixRef) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(A 2^-e, e, A as stored)``: the first in the compute dtype, extreme weights (1e25, 1e-30) rescaled
@@ -169,9 +239,11 @@ class Analyzer:
         t = t.to(device=self.device)
         return (*unit_scale(t, self.dtype), t)  # (m, n), (), (m, n)
 
-    def _layer_states(self, refs: list[MatrixRef]) -> list[_LayerState]:
+    def _layer_states(self, refs: list[MatrixRef], sketchers: dict | None = None) -> list[_LayerState]:
         loaded = [self._load(r) for r in refs]
         exps = torch.stack([e for _, e, _ in loaded])  # (B,) power-of-two scale of each matrix
+        if sketchers is not None:
+            return self._sketched_states(refs, loaded, exps, sketchers)
         keep = self.config.gram and self.dtype == torch.float32 and self.device.type == "cpu"
         stored = [t if keep and t.dtype == torch.bfloat16 and not e.any() else None for _, e, t in loaded]
         loaded = [m for m, _, _ in loaded]
@@ -214,6 +286,37 @@ class Analyzer:
         return [_LayerState(r.layer, mats[i] if stored[i] is None else stored[i], grams[i], fros[i], pairs[i],
                             spectra[i], side) for i, r in enumerate(refs)]
 
+    def _sketched_states(self, refs: list[MatrixRef], loaded: list, exps: torch.Tensor,
+                         sketchers: dict) -> list[_LayerState]:
+        """Layer states of a sketched role: top-k pairs as usual, no Gram unless the solver or --spectra needs
+        one, and each layer's probe products (sketch.SpaceSketcher.sketch) in place of its Gram norm."""
+        loaded = [m for m, _, _ in loaded]  # A 2^-e in the compute dtype: the similarity is scale-free
+        mats = loaded[0].unsqueeze(0) if len(loaded) == 1 else torch.stack(loaded)  # (B, m, n), no copy for B = 1
+        del loaded
+        for ref, norm in zip(refs, torch.linalg.vector_norm(mats, dim=(-2, -1)).tolist()):
+            if norm == 0:
+                raise FlowgeomError(f"{ref.tensor} (role {ref.role}, layer {ref.layer}) is all zeros: its singular "
+                                    "vectors are undefined; leave the role out with --roles, or analyse a checkpoint "
+                                    "where it has been trained")
+        k = self.k_of[refs[0].role]
+        side = "in" if mats.shape[-1] <= mats.shape[-2] else "out"
+        spectra = [None] * len(refs)
+        dense = self.config.solver == "dense" or (self.config.solver == "auto" and self.device.type == "cpu"
+                                                  and min(mats.shape[-2:]) <= DENSE_MAX_DIM)
+        opts = dict(solver=self.config.solver, tol=self.config.tol, seed=self.config.seed)
+        if self.config.spectra:
+            grams, side = small_gram(mats)
+            pairs, values, how = pairs_and_spectrum_from_gram(mats, grams, side, k, **opts)
+            spectra = self._spectra(refs, unscale_values(values, exps), how, grams.dtype)
+        elif dense:
+            pairs = pairs_from_gram(mats, small_gram(mats)[0], side, k, **opts)
+        else:  # Krylov on x -> A^T (A x): the m d^2 Gram is never formed
+            pairs = pairs_from_gram(mats, GramOperator(mats, side), side, k, **opts)
+        pairs = unscale_pairs(pairs, exps)
+        return [_LayerState(r.layer, mats[i], None, torch.zeros((), dtype=torch.float64), pairs[i], spectra[i], side,
+                            sketches={space: sk.sketch(mats[i]) for space, sk in sketchers.items()})
+                for i, r in enumerate(refs)]
+
     def _spectra(self, refs: list[MatrixRef], values: torch.Tensor, how: str, dtype: torch.dtype) -> list[dict]:
         """Layer spectra of each matrix from its ESD ``values`` (B d), computed in ``dtype`` (powerlaw.layer_spectrum)."""
         from flowgeom.continuity.powerlaw import layer_spectrum
@@ -221,28 +324,36 @@ class Analyzer:
         eps = torch.finfo(dtype).eps
         return [dict(layer_spectrum(v, ref.shape, eps), eigenvalues=how) for ref, v in zip(refs, values.cpu())]
 
-    def _pair(self, a: _LayerState, b: _LayerState, d: int) -> dict:
+    def _pair(self, a: _LayerState, b: _LayerState, d: int, sketchers: dict | None = None) -> dict:
         rec = {"a": a.layer, "b": b.layer, "distance": d}
         vals = pair_metrics(a.pairs, b.pairs)
+        extra = {}
         for space in ("in", "out") if self.config.gram else ():
+            if sketchers is not None:
+                est, a.sketches[space], b.sketches[space] = sketchers[space].pair(
+                    a.matrix, a.sketches[space], b.matrix, b.sketches[space])
+                vals[f"gram_{space}"] = torch.tensor(est.value)
+                extra |= {f"gram_{space}_ci": est.interval, f"gram_{space}_probes": est.probes}
+                continue
             num = gram_numerator(a.matrix, b.matrix, space, gram_a=a.gram, gram_b=b.gram, side=a.side)
             vals[f"gram_{space}"] = num / (a.fro * b.fro)
         rec.update({key: float(vals[key]) for key in self.metrics})
+        rec.update(extra)
         gap_a, gap_b = float(a.pairs.gap), float(b.pairs.gap)
         rec.update(gap_a=gap_a, gap_b=gap_b)
         return rec
 
     def run_role(self, role: str, progress: Callable[[int], None] | None = None) -> _RoleRun:
         refs = self.layout.roles[role]
-        run, window = _RoleRun(refs), []
+        run, window = _RoleRun(refs, sketchers=self.sketchers(role)), []
         t0 = time.perf_counter()
         keep = max(self.config.distances)
         for start in range(0, len(refs), self.config.batch):
-            for st in self._layer_states(refs[start:start + self.config.batch]):
+            for st in self._layer_states(refs[start:start + self.config.batch], run.sketchers):
                 for d in self.config.distances:
                     partner = next((w for w in window if w.layer == st.layer - d), None)
                     if partner is not None:
-                        run.pairs.append(self._pair(partner, st, d))
+                        run.pairs.append(self._pair(partner, st, d, run.sketchers))
                 run.spectra.append({"layer": st.layer, "sigma": st.pairs.S.tolist(), "gap": float(st.pairs.gap),
                                     "residual": float(st.pairs.residual), "krylov_depth": st.pairs.iters,
                                     **(st.spectrum or {})})
@@ -251,6 +362,38 @@ class Analyzer:
                     progress(1)
         run.seconds = time.perf_counter() - t0
         return run
+
+    def _gram_summary(self, role: str, run: _RoleRun, metrics: dict) -> dict | None:
+        """``roles[R].gram``: how the similarity was computed and why; for a sketch the probes, the target, and
+        (into ``metrics``) each sketched metric's 95% interval of the mean and of its ratio to baseline."""
+        if not self.config.gram:
+            return None
+        method, why = self.gram_of[role]
+        if method != "sketch":
+            return {"method": method, "why": why}
+        first, thr = self.config.distances[0], self.config.threshold
+        pairs = [p for p in run.pairs if p["distance"] == first]
+        straddles = []
+        for space in ("in", "out"):
+            key = f"gram_{space}"
+            m = metrics[key]
+            if any(p[f"{key}_ci"] is None for p in pairs):  # one residual probe: no spread, no interval
+                m.update(ci=None, ratio_ci=None, straddles_threshold=None)
+                continue
+            # the mean of the pairs' offsets: no narrower than if the correlation of their errors were known (sketch.py)
+            below = sum(p[key] - p[f"{key}_ci"][0] for p in pairs) / len(pairs)
+            above = sum(p[f"{key}_ci"][1] - p[key] for p in pairs) / len(pairs)
+            m["ci"] = [m["mean"] - below, m["mean"] + above]
+            m["ratio_ci"] = [x / m["baseline"] for x in m["ci"]]
+            m["straddles_threshold"] = m["ratio_ci"][0] < thr <= m["ratio_ci"][1]
+            if m["straddles_threshold"]:
+                straddles.append(key)
+        fixed = self.config.probes is not None
+        return {"method": "sketch", "why": why, "estimator": "hutch++", "confidence": _sketch.CONFIDENCE,
+                "probes": {space: sk.N for space, sk in run.sketchers.items()}, "fixed_probes": fixed,
+                "rel_error": None if fixed else self.config.target_error,
+                "missed_target": {space: sk.missed for space, sk in run.sketchers.items()},
+                "cap": {space: sk.cap for space, sk in run.sketchers.items()}, "straddles_threshold": straddles}
 
     def baselines(self, shape: tuple[int, int], k: int | None = None) -> tuple[dict[str, float], dict[str, float]]:
         k = k or self.config.k
@@ -273,6 +416,7 @@ class Analyzer:
             metrics[key] = st
         by_distance = {str(d): {key: _stats([p[key] for p in run.pairs if p["distance"] == d])["mean"]
                                 for key in self.metrics} for d in self.config.distances}
+        gram = self._gram_summary(role, run, metrics)
         r_in, r_out = metrics["v1"]["ratio"], metrics["u1"]["ratio"]
         return {
             "shape": list(shape), "k": self.k_of[role], "layers": [r.layer for r in run.refs],
@@ -284,12 +428,13 @@ class Analyzer:
             "min_gap": min(s["gap"] for s in run.spectra),
             "seconds": run.seconds, "seconds_per_layer": run.seconds / len(run.refs),
             "metrics": metrics, "by_distance": by_distance, "pairs": run.pairs, "spectra": run.spectra,
+            **({"gram": gram} if gram else {}),
             **({"layer_spectra": layer_spectra_summary(run.spectra)} if self.config.spectra else {}),
         }
 
 
 def role_memory(shape: tuple[int, int], *, stored: int, compute: int, batch: int = 1, keep: int = 1,
-                gram: bool = True, bf16_window: bool = False) -> int:
+                gram: bool = True, bf16_window: bool = False, sketch: bool = False) -> int:
     """Bytes one worker holds at its peak for a role of ``(m, n)`` matrices (``d = min(m, n)``).
 
     ``stored``/``compute``: item sizes of the checkpoint's dtype and the compute dtype. At the peak a
@@ -299,9 +444,16 @@ def role_memory(shape: tuple[int, int], *, stored: int, compute: int, batch: int
     float32 and bf16) and the Krylov basis with ``G K`` (``2 d (d/3)`` at most,
     spectra.krylov_top_eigenpairs). At Llama-8B shapes (bf16, two workers) it gives 2 x 0.70 GiB; the
     measured peak RSS was 1.9-2.0 GB, torch and the libraries included (docs/continuity.md).
+    ``sketch``: the window holds the matrix in the compute dtype and no Gram, plus the probe products
+    (``(m + n)`` rows of up to ``cap`` float64 columns, sketch.cap_for in auto).
     """
     m, n = shape
     d = min(m, n)
+    if sketch:
+        probes = 3 * max(_sketch.START_PROBES, d // _sketch.AUTO_COST_SHARE) * (m + n) * 8  # S, G and Q products
+        window = keep * (m * n * compute + probes)
+        return window + batch * (m * n * (stored + compute) + d * d * compute) + 2 * d * (d // 3 + 16) * compute \
+            + 2 * probes
     window = keep * (m * n * (stored if bf16_window else compute) + d * d * compute) if gram else 0
     current = batch * (m * n * (stored + compute) + d * d * compute)
     work = d * d * 6 + 2 * d * (d // 3 + 16) * compute
@@ -342,11 +494,14 @@ def _memory_plan(analyzer: Analyzer, config: AnalyzeConfig) -> tuple[int, list[s
     return workers, []
 
 
-def _role_cost(refs: Sequence[MatrixRef]) -> int:
+def _role_cost(refs: Sequence[MatrixRef], sketch: bool = False) -> int:
     """Relative work of a role, to start the largest first: per layer the Gram and the cross product
-    (``3 D d^2`` flops) and the tridiagonal reduction (``4/3 d^3`` flops at about a third of the GEMM rate)."""
+    (``3 D d^2`` flops) and the tridiagonal reduction (``4/3 d^3`` flops at about a third of the GEMM rate);
+    sketched, the probe products (sketch.sketch_layer_flops) and ~8 Krylov blocks of 20 through ``A^T A``."""
     m, n = refs[0].shape
     d, D = min(m, n), max(m, n)
+    if sketch:
+        return len(refs) * int(_sketch.sketch_layer_flops((m, n), _sketch.START_PROBES) + 4 * m * n * 160)
     return len(refs) * (3 * D * d * d + 4 * d**3)
 
 
@@ -371,6 +526,27 @@ def _parallel(fn: Callable[[str], dict], roles: Sequence[str], workers: int, cos
         raise
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _sketch_warnings(roles: Mapping[str, dict], config: AnalyzeConfig) -> list[str]:
+    """What a sketch could not deliver, said once per role: intervals wider than the target, or none at all."""
+    out = []
+    for role, r in roles.items():
+        g = r.get("gram", {})
+        if g.get("method") != "sketch":
+            continue
+        missed = {space: n for space, n in g["missed_target"].items() if n}
+        if missed:
+            caps = ", ".join(f"{g['cap'][space]} probes in the {space} space" for space in missed)
+            out.append(f"role {role}: the probe rule stopped at its cap ({caps}) "
+                       f"on {sum(missed.values())} pair(s) whose 95% interval is wider than ±{g['rel_error']:.1%} "
+                       "of the value (their intervals say by how much); " + (
+                           "--gram sketch lets it grow to the rank bound, " if config.gram_method == "auto" else "")
+                       + "--gram exact computes it")
+        if any(r["metrics"][key].get("ci", 0) is None for key in ("gram_in", "gram_out")):
+            out.append(f"role {role}: --probes {config.probes} leaves one residual probe, so the sketched sigma^2-Gram "
+                       "similarity has no spread and no interval; use --probes 3 or more")
+    return out
 
 
 def layer_spectra_summary(spectra: list[dict]) -> dict:
@@ -430,14 +606,16 @@ def analyze(source, config: AnalyzeConfig | None = None, *, custom_roles: Mappin
     order = list(analyzer.layout.roles)
     start = getattr(progress, "start", None)  # a reporter that wants the plan: {role: (layers, relative work)}
     if callable(start):
-        start({role: (len(refs), _role_cost(refs)) for role, refs in analyzer.layout.roles.items()})
+        start({role: (len(refs), _role_cost(refs, analyzer.sketched(role)))
+               for role, refs in analyzer.layout.roles.items()})
     workers, warnings = _memory_plan(analyzer, config)
     # CPU: torch glue single-threaded; BLAS threads as the caller set them, or one per worker thread
     with _blas.cpu_threads(1 if workers > 1 else None) if analyzer.device.type == "cpu" else nullcontext():
         if workers == 1:
             roles = {role: one_role(role) for role in order}
         else:
-            roles = _parallel(one_role, order, workers, cost=lambda r: _role_cost(analyzer.layout.roles[r]),
+            roles = _parallel(one_role, order, workers,
+                              cost=lambda r: _role_cost(analyzer.layout.roles[r], analyzer.sketched(r)),
                               stop=stop)
     if analyzer.device.type == "cuda":
         torch.cuda.synchronize()
@@ -448,6 +626,7 @@ def analyze(source, config: AnalyzeConfig | None = None, *, custom_roles: Mappin
             f"{'role' if len(single) == 1 else 'roles'} {', '.join(single)}: one layer pair at distance {first}, so each "
             "mean is that pair's value, its sd (±0.000) means nothing and the verdict rests on one pair; analyse a "
             "checkpoint with more layers")
+    warnings += _sketch_warnings(roles, config)
     return {
         "source": _label(source, src),
         "scheme": analyzer.layout.scheme,

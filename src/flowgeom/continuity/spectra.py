@@ -15,9 +15,10 @@ top ``k`` singular triplets ``A v_i = sigma_i u_i``, ``sigma_1 >= sigma_2 >= ...
      faster approximate SVD"), batched over the stack::
 
          K_t = [Q_0, G Q_0, ..., G^t Q_0] (orthonormalised block by block),
-         Q_0 = orth(G Omega), Omega ~ N(0, 1)^{d x b}, b = k + oversample,
+         Q_0 = orth(G Omega), Omega ~ N(0, 1)^{d x b}, b = k + oversample (10),
          Ritz pairs from eigh(K_t^T G K_t);  stop when for all i <= k
-         r_i = ||G y_i - theta_i y_i|| / theta_1 <= tol.
+         r_i = ||G y_i - theta_i y_i|| / theta_1 <= tol, or r_i has stagnated
+         at the rounding level eps sqrt(d) (krylov_top_eigenpairs).
 
      Krylov depth converges like ``exp(-2 t sqrt(gap))`` instead of the power
      method's ``(1 - gap)^t``, which matters on the flat spectra of trained
@@ -75,6 +76,8 @@ SOLVERS = ("auto", "krylov", "dense")
 DENSE_MAX_DIM = 1536  # CPU crossover dense (tridiagonal) vs block Krylov (benchmarks/continuity_solvers.py)
 SMALL_GRAM = 192  # Krylov may fill the whole space of Grams up to this size (krylov_top_eigenpairs)
 RESIDUAL_FLOOR = 8  # Krylov residuals are floored at 8 eps of the Gram's dtype (krylov_top_eigenpairs)
+STAGNATION = 1.0  # a residual that stops falling at or below STAGNATION eps sqrt(d) is rounding (krylov_top_eigenpairs)
+OVERSAMPLE = 10  # Krylov block b = k + OVERSAMPLE (k = 1 runs a block of 11)
 SAFE_EXPONENT = 30  # max|w| in [2^-30, 2^30]: float32 Grams of any practical size neither overflow nor underflow
 
 
@@ -220,8 +223,9 @@ def _check_k(k: int, m: int, n: int) -> None:
         raise FlowgeomError(f"k={k!r} singular pairs asked for a {m}x{n} matrix; choose 1 <= k <= {min(m, n)}")
 
 
-def krylov_top_eigenpairs(G: "torch.Tensor | GramOperator", k: int, *, oversample: int = 8, max_depth: int = 200, tol: float = 1e-10,
-                          tol_rest: float = 1e-5, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+def krylov_top_eigenpairs(G: "torch.Tensor | GramOperator", k: int, *, oversample: int = OVERSAMPLE,
+                          max_depth: int = 200, tol: float = 1e-10, tol_rest: float = 1e-5,
+                          seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """Top ``k`` eigenpairs of symmetric PSD ``G`` (L d d, or a :class:`GramOperator`) by randomised block
     Krylov + Rayleigh-Ritz.
 
@@ -247,6 +251,32 @@ def krylov_top_eigenpairs(G: "torch.Tensor | GramOperator", k: int, *, oversampl
     5e-6 (1.9e-6 with a float64 basis, at 2x the time;
     tests/continuity/test_scale.py checks the metrics to 1e-4).
 
+    **Stagnation (issue 41).** The rounding floor of a residual is not
+    ``8 eps``: it is the rounding of the products ``G y`` themselves, about
+    ``eps sqrt(d) theta_1`` for a float32 Gram (measured 0.08-0.24
+    ``eps sqrt(d)`` on Gaussian Grams at d = 1024). Near ``8 eps`` whether a
+    pair "converged" was a coin toss per matrix and k; a lost toss grows the
+    basis to its cap and then pays for the dense solver too. That is the
+    issue's 23-29 s for 3 Gaussian 3072x3072 matrices at k = 1, 2 against 5 s
+    at k = 4 (inferred: cap plus dense reduction is ~8 s a matrix; not re-run
+    at 3072 here), and at d = 1024 a floor moved just below the plateau
+    reproduces it (3.3x the time). So
+    a pair also counts as converged when its residual has *stagnated*: it fell
+    by less than half since the previous Ritz check (at least one Krylov block
+    earlier) and is within the rounding level ``eps sqrt(d)``
+    (``STAGNATION``). Krylov convergence is geometric, so a residual that
+    stops falling that low is rounding; the vectors are then as good as the
+    Gram's dtype allows.
+
+    **Block.** ``b = k + oversample`` (default ``OVERSAMPLE`` = 10, so k = 1
+    runs a block of 11): a product ``G Q`` reads all of ``G`` whatever ``b``,
+    so a wider block costs little more per step and needs fewer steps.
+    Randomised subspace iteration (a range finder with power iterations) was
+    measured against it at d = 1024 (float32 Gaussian Gram, one thread,
+    same stopping rule): 125-160 iterations / 135-227 ms against Krylov depth
+    17-22 / 43-65 ms, and equal on a decaying spectrum (9 vs 8 ms): its space
+    after t steps is inside the Krylov space, so it never needs fewer products.
+
     **Cost cap.** When the basis would pass ``d / 3`` columns (its
     orthogonalisation and Ritz steps then cost about what a dense reduction
     does) the top pairs come from the dense solver instead
@@ -254,8 +284,10 @@ def krylov_top_eigenpairs(G: "torch.Tensor | GramOperator", k: int, *, oversampl
     whole space first.
     """
     L, d, _ = G.shape
-    floor = RESIDUAL_FLOOR * torch.finfo(G.dtype).eps
+    eps = torch.finfo(G.dtype).eps
+    floor = RESIDUAL_FLOOR * eps
     tol, tol_rest = max(tol, floor), max(tol_rest, floor)
+    rounding = STAGNATION * eps * math.sqrt(d)  # a stagnated residual this low is the products' rounding (docstring)
     b = min(k + oversample, d)
     cap = d if d <= SMALL_GRAM else d // 3  # largest basis before the dense solver is cheaper (docstring)
     work = G.dtype if G.dtype in (torch.float32, F64) else F64  # products and basis in G's dtype (docstring)
@@ -269,7 +301,7 @@ def krylov_top_eigenpairs(G: "torch.Tensor | GramOperator", k: int, *, oversampl
     GQ = apply(Q)
     basis = _Basis(Q, GQ)  # K (L d D) and G K, grown in place
     T = Q.mT @ GQ  # (L, D, D) = K^T G K
-    depth, check = 0, 0
+    depth, check, before = 0, 0, None  # before: the residuals (L, k) at the previous Ritz check
     while True:
         room = basis.size + b <= cap and depth < max_depth
         if depth < check and room:
@@ -284,7 +316,10 @@ def krylov_top_eigenpairs(G: "torch.Tensor | GramOperator", k: int, *, oversampl
         scale = theta[..., :1].clamp_min(torch.finfo(F64).tiny)
         r = (GY - Y * theta.unsqueeze(-2)).norm(dim=-2) / scale  # (L, k)
         residual = r.amax(-1)  # (L,)
-        converged = bool((r[..., 0] <= tol).all()) and bool((r[..., 1:] <= tol_rest).all())
+        stalled = (r > 0.5 * before) & (r <= rounding) if before is not None else torch.zeros_like(r, dtype=torch.bool)
+        before = r
+        converged = bool(((r[..., 0] <= tol) | stalled[..., 0]).all()) and bool(
+            ((r[..., 1:] <= tol_rest) | stalled[..., 1:]).all())
         if converged or not room:
             if not converged and basis.size + b > cap:
                 # Krylov would cost as much as a dense reduction: finish exactly on the whole (small) space.
@@ -453,7 +488,7 @@ def unscale_values(values: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
 
 
 def top_singular_pairs(mats: torch.Tensor, k: int = 1, *, dtype: torch.dtype | None = None, solver: str = "auto",
-                       oversample: int = 8, max_depth: int = 200, tol: float = 1e-10, tol_rest: float = 1e-5,
+                       oversample: int = OVERSAMPLE, max_depth: int = 200, tol: float = 1e-10, tol_rest: float = 1e-5,
                        seed: int = 0) -> SingularPairs:
     """Top ``k`` singular triplets of every matrix of ``mats`` (L m n) or (m n).
 

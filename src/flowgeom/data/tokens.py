@@ -147,6 +147,35 @@ def cached_ids(text: str, tokenizer, *, cache: Path | None = None) -> np.ndarray
     return ids
 
 
+LEADING_MARGIN = 256  # ids a prefix must hold past the ones asked for: the cut's own pre-token stays clear of them
+
+
+def leading_ids(text: str, tokenizer, n: int):
+    """The first ``n`` token ids of ``text`` as a torch int64 tensor (all of them when it has fewer), from a
+    prefix of it: the ids the whole text's encoding starts with.
+
+    A tokenizer cuts text into pre-tokens (words, runs of spaces, punctuation, added tokens) and encodes each
+    on its own, so a prefix gives the whole text's ids except in the pre-token it cuts. The prefix, ending at a
+    line break, doubles from ``8 n`` characters until it holds ``n +`` :data:`LEADING_MARGIN` ids and a longer
+    prefix, cut mid-line, agrees with it on the first ``n``. Encoding only that much matters: the calibration
+    mix kjv+pydoc is 1.8 M tokens, whose encoding takes 6 s and 0.75 GB (a ``tokenizers`` Encoding keeps a string
+    and offsets per token) to give the 16,384 ids calibration uses.
+    """
+    import torch
+
+    def encode(part: str) -> list[int]:
+        return tokenizer.encode(part, add_special_tokens=False).ids
+
+    size = max(4096, 8 * n)
+    while 2 * size < len(text):
+        cut = text.rfind("\n", 0, size) + 1 or size
+        first = encode(text[:cut])
+        if len(first) >= n + LEADING_MARGIN and encode(text[:2 * size])[:n] == first[:n]:
+            return torch.tensor(first[:n], dtype=torch.int64)
+        size *= 2
+    return torch.tensor(encode(text)[:n], dtype=torch.int64)
+
+
 def token_ids(text: str, tokenizer, *, cache: Path | None = None):
     """:func:`cached_ids` as a torch int64 tensor (N,), what the perplexity evaluation takes."""
     import torch

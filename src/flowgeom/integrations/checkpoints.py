@@ -87,10 +87,26 @@ def _step_of(path: Path) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def trainer_checkpoints(folder: Path) -> list[Path]:
+    """The ``checkpoint-N`` folders a Trainer wrote into its ``output_dir`` ``folder``, by step."""
+    found = [p for p in folder.glob("checkpoint-*") if p.is_dir() and re.fullmatch(r"checkpoint-\d+", p.name)]
+    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+
+
+def _output_dir_error(folder: Path, found: list[Path]) -> FlowgeomError:
+    """A Trainer's ``output_dir`` given where its checkpoints belong: name them and the command that measures them."""
+    names = ", ".join(p.name for p in found[:4]) + (f", … ({len(found)} in all)" if len(found) > 4 else "")
+    return FlowgeomError(f"{shown(folder)} is a Trainer output folder; pass the checkpoint folders it holds "
+                         f"({names}), e.g. flowgeom conserve drift {shown(folder / 'checkpoint-*')}")
+
+
 def resolve(paths: Sequence[str | os.PathLike], config: str | os.PathLike | None = None, *,
             minimum: int = 2) -> list[Checkpoint]:
     """Check every path and order the series by step (validate first: nothing is loaded yet)."""
     if len(paths) < minimum:
+        found = trainer_checkpoints(Path(paths[0])) if len(paths) == 1 and Path(paths[0]).is_dir() else []
+        if found:
+            raise _output_dir_error(Path(paths[0]), found)
         raise FlowgeomError(f"drift needs at least 2 checkpoints (the first is the reference), or one beside the "
                             f"run's flowgeom_theta0.safetensors, got {len(paths)}; "
                             "e.g. flowgeom conserve drift out/checkpoint-*")
@@ -104,6 +120,8 @@ def resolve(paths: Sequence[str | os.PathLike], config: str | os.PathLike | None
             raise FlowgeomError(f"checkpoint {shown(p)} does not exist")
         if p.is_dir():
             if not any((p / w).is_file() for w in WEIGHTS):
+                if found := trainer_checkpoints(p):
+                    raise _output_dir_error(p, found)
                 if (p / "adapter_config.json").is_file():
                     raise FlowgeomError(f"{shown(p)} holds a PEFT adapter only; merge it into its base model "
                                         "(merge_and_unload + save_pretrained) and measure the merged folders")

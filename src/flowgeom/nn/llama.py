@@ -176,7 +176,10 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(d, KV * hd, bias=False)
         self.o_proj = nn.Linear(H * hd, d, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                past: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """``past``: this layer's ``[k, v]`` (B, KV, P, hd) of the P tokens before ``x``, extended in place (an
+        empty list on the first call); ``cos, sin`` are then the tables of positions P..P+T-1."""
         B, T, _ = x.shape
         H, KV, hd = self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim
         q = self.q_proj(x).view(B, T, H, hd).transpose(1, 2)  # (B, H, T, hd)
@@ -184,9 +187,17 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, KV, hd).transpose(1, 2)  # (B, KV, T, hd)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        k = k.repeat_interleave(H // KV, dim=1)  # (B, H, T, hd): query head h reads kv head h // (H/KV)
-        v = v.repeat_interleave(H // KV, dim=1)  # (B, H, T, hd)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0 / math.sqrt(hd))  # (B, H, T, hd)
+        causal = True
+        if past is not None:
+            if past:
+                if T != 1:
+                    raise FlowgeomError("a cached forward takes one new token at a time after the prompt")
+                k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)  # (B, KV, P+1, hd)
+                causal = False  # the one new query sees every cached key
+            past[:] = [k, v]
+        k = k.repeat_interleave(H // KV, dim=1)  # (B, H, S, hd): query head h reads kv head h // (H/KV)
+        v = v.repeat_interleave(H // KV, dim=1)  # (B, H, S, hd)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=1.0 / math.sqrt(hd))  # (B, H, T, hd)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, H * hd))  # (B, T, d)
 
 
@@ -210,8 +221,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin)
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                past: list[torch.Tensor] | None = None) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, past)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -221,6 +233,19 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class KVCache:
+    """Keys and values of the tokens decoded so far, one ``[k, v]`` (B, KV, length, hd) per layer."""
+
+    def __init__(self):
+        self.length = 0
+        self._layers: list[list[torch.Tensor]] = []
+
+    def layers(self, n: int) -> list[list[torch.Tensor]]:
+        if not self._layers:
+            self._layers = [[] for _ in range(n)]
+        return self._layers
 
 
 class LlamaForCausalLM(nn.Module):
@@ -234,19 +259,25 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        T = ids.shape[1]
+    def forward(self, ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """``cache``: a :class:`KVCache` for incremental decoding (the prompt first, then one token per call)."""
+        P = 0 if cache is None else cache.length
+        T = P + ids.shape[1]
         if T > self.config.max_position_embeddings:
             raise FlowgeomError(f"a context of {T} tokens exceeds the model's {self.config.max_position_embeddings} "
                                 "positions; use a shorter --context")
-        h = self.model.embed_tokens(ids)  # (B, T, d)
+        h = self.model.embed_tokens(ids)  # (B, T - P, d)
         cos, sin = rope_tables(self.config, T, dtype=h.dtype, device=h.device)  # (T, hd) each
+        cos, sin = cos[P:], sin[P:]  # (T - P, hd): the new tokens' positions
+        pasts = [None] * len(self.model.layers) if cache is None else cache.layers(len(self.model.layers))
         # RMSNorm squares h: beyond sqrt(max/d) the mean square overflows, the norm returns 0 (or NaN) and the
         # logits turn uniform, a confident perplexity equal to the vocabulary size. Track the peak (one sync).
         peak = h.detach().abs().amax()
-        for layer in self.model.layers:
-            h = layer(h, cos, sin)
+        for layer, past in zip(self.model.layers, pasts):
+            h = layer(h, cos, sin, past)
             peak = torch.maximum(peak, h.detach().abs().amax())
+        if cache is not None:
+            cache.length = T
         limit = math.sqrt(torch.finfo(h.dtype).max / self.config.hidden_size)
         if not bool(peak <= limit):  # False for NaN too
             raise FlowgeomError(f"the forward overflowed {str(h.dtype).replace('torch.', '')}: hidden states reach "
