@@ -73,3 +73,15 @@ def test_compress_load_gives_the_factored_and_the_dropped_models(factored, capsy
         model = load(out)
         assert type(model).__name__ == "LlamaForCausalLM" and model(ids).logits.shape[-1] == 256
     assert model.generate(ids, max_new_tokens=3, do_sample=False).shape == (1, 10)
+
+
+def test_a_loaded_factored_model_refuses_save_pretrained(factored, tmp_path):
+    """transformers' save_pretrained of a factored model would write a folder plain transformers loads with
+    random projections: refused on the instance, naming the ways that keep the factors."""
+    from flowgeom.compress import load
+    from flowgeom.errors import FlowgeomError
+
+    model = load(factored)
+    with pytest.raises(FlowgeomError, match="random projections.*--dense"):
+        model.save_pretrained(tmp_path / "resaved")
+    assert not (tmp_path / "resaved").exists()

@@ -40,6 +40,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import MethodType
 
 import torch
 import torch.nn.functional as F
@@ -400,7 +401,18 @@ def factored_hf(folder: str | Path, *, dtype: torch.dtype = torch.float32):
           cfg.tie_word_embeddings, dtype)
     if cfg.tie_word_embeddings:
         model.tie_weights()
+    model.save_pretrained = MethodType(_refuse_save_pretrained, model)  # this instance only, not the family class
     return model.to(dtype).eval()
+
+
+def _refuse_save_pretrained(model, *args, **kwargs):
+    """A factored model saved by transformers names its factors under the family's own config: plain
+    transformers would load that folder with its compressed projections random. Refused, with the ways that
+    keep the factors."""
+    raise FlowgeomError("save_pretrained would write a folder that plain transformers loads with random "
+                        "projections (the factors are not under the dense names); keep the factored folder "
+                        "`flowgeom compress run`/`heal` wrote, or write a dense one with `flowgeom compress run "
+                        "--dense`")
 
 
 def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32):
