@@ -90,7 +90,7 @@ def compare_models(specs: Sequence[str], *, text: str = "kjv", config: EvalConfi
     """
     from flowgeom.compress.agreement import generation_health, greedy_continuations, prompts_from
     from flowgeom.compress.agreement import teacher_forced_agreement
-    from flowgeom.compress.folder import load_model
+    from flowgeom.compress.folder import is_factored, load_model, read_factored
     from flowgeom.compress.run import source_path
     from flowgeom.data.text import is_named, load_text
     from flowgeom.data.tokens import load_tokenizer, token_ids
@@ -101,6 +101,9 @@ def compare_models(specs: Sequence[str], *, text: str = "kjv", config: EvalConfi
         check_out_file(out, inputs=paths)
     if any(not p.strip() for p in generate):
         raise FlowgeomError("--generate got an empty prompt; pass the text to continue, e.g. --generate 'Once upon'")
+    for path in paths:  # a damaged factored folder is refused before any model runs
+        if is_factored(path):
+            read_factored(path)
     tokenizer = load_tokenizer(paths[0])
     _same_tokenizers(specs, paths, tokenizer)
     corpus = load_text(text, split="test")
