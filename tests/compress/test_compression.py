@@ -469,6 +469,7 @@ def test_sweep_judges_each_point_heals_it_and_recommends_the_largest_budget_meet
     assert result["healed"] == 256 and result["judge"]["prompts"] == 3
     for p in result["points"]:
         assert 0 <= p["agreement"]["top1"] <= 1 and p["agreement"]["kl"] >= 0
+        assert p["saved_fraction"] >= p["budget"] - 1e-9  # of the projections, as the budget is
         assert set(p["generation"]) == {"loop_fraction", "distinct2", "prefix_agreement"}
         assert p["targets"]["all"] == all(v for k, v in p["targets"].items() if k != "all")
         healed = json.loads((Path(p["folder"]) / "flowgeom_share.json").read_text())

@@ -22,8 +22,8 @@ import time
 from flowgeom.cli._common import command, console, positive_int
 
 # What the README says the tour takes (measured with `make demo`, docs/benchmarks.md).
-README_TOUR_SECONDS = 15 * 60 + 19
-README_TOUR = "15 min 19 s on 2 cores shared with other work"  # at load 9–15; the machine was never idle
+README_TOUR_SECONDS = 2 * 60 + 23
+README_TOUR = "2 min 23 s on 2 idle cores"  # `flowgeom demo --out DIR` on a fresh DIR, the machine otherwise idle
 
 
 def run_demo(args: argparse.Namespace) -> int:

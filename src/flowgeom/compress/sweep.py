@@ -147,7 +147,7 @@ def _healed_point(source: str, folder: Path, point: ShareConfig, heal, *, force:
 
     report = share_model(source, folder, point, force=force, progress=progress).report
     heal_folder(folder, folder, heal, in_place=True, progress=progress)
-    return load_model(folder), report["saved_params"], report["saved_fraction"]
+    return load_model(folder), report["saved_params"], report["scope_saved_fraction"]  # of the projections
 
 
 def sweep_figure(result: dict[str, Any], path: Path) -> None:
