@@ -224,38 +224,24 @@ def test_load_gives_a_gguf_as_flowgeoms_own_reader_does(folders, tmp_path):
 
 def _gguf(src, path):
     """The Llama HF folder ``src`` as a float32 GGUF (rows as stored: both readers see the same tensors)."""
-    import gguf
     from safetensors.torch import load_file
-
-    from flowgeom.nn.llama import GGUF_NAMES
+    from synthetic_checkpoints import gguf_name, write_gguf
 
     config = json.loads((src / "config.json").read_text())
-    names = {v: k for k, v in GGUF_NAMES.items()}
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_uint32("llama.block_count", config["num_hidden_layers"])
-    w.add_uint32("llama.embedding_length", config["hidden_size"])
-    w.add_uint32("llama.feed_forward_length", config["intermediate_size"])
-    w.add_uint32("llama.attention.head_count", config["num_attention_heads"])
-    w.add_uint32("llama.attention.head_count_kv", config["num_key_value_heads"])
-    w.add_uint32("llama.rope.dimension_count", config["hidden_size"] // config["num_attention_heads"])
-    w.add_float32("llama.attention.layer_norm_rms_epsilon", config["rms_norm_eps"])
-    w.add_uint32("llama.context_length", 64)
-    w.add_uint32("llama.vocab_size", config["vocab_size"])
-    for key, t in load_file(str(src / "model.safetensors")).items():
-        if key == "model.embed_tokens.weight":
-            name = "token_embd.weight"
-        elif key == "model.norm.weight":
-            name = "output_norm.weight"
-        elif key == "lm_head.weight":
-            name = "output.weight"
-        else:
-            _, _, layer, *rest = key.split(".")
-            name = f"blk.{layer}.{names['.'.join(rest[:-1])]}.weight"
-        w.add_tensor(name, t.float().numpy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+
+    def settings(w):
+        w.add_uint32("llama.block_count", config["num_hidden_layers"])
+        w.add_uint32("llama.embedding_length", config["hidden_size"])
+        w.add_uint32("llama.feed_forward_length", config["intermediate_size"])
+        w.add_uint32("llama.attention.head_count", config["num_attention_heads"])
+        w.add_uint32("llama.attention.head_count_kv", config["num_key_value_heads"])
+        w.add_uint32("llama.rope.dimension_count", config["hidden_size"] // config["num_attention_heads"])
+        w.add_float32("llama.attention.layer_norm_rms_epsilon", config["rms_norm_eps"])
+        w.add_uint32("llama.context_length", 64)
+        w.add_uint32("llama.vocab_size", config["vocab_size"])
+
+    tensors = {gguf_name(k): t.float() for k, t in load_file(str(src / "model.safetensors")).items()}
+    write_gguf(path, tensors, kv=settings)
     return path
 
 

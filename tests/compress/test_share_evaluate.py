@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "continuity"))  # the synthetic checkpoint writers
-from synthetic_checkpoints import write_gguf  # noqa: E402
+from synthetic_checkpoints import gguf_name, write_gguf  # noqa: E402
 
 from flowgeom.cli import main
 from flowgeom.compress import blocks as compress
@@ -107,21 +107,11 @@ def test_gguf_loader_unpermutes_qk_and_matches_transformers(tmp_path):
     hf = hf_tiny(tie=False)
     sd = hf.state_dict()
     tensors = {}
-    names = {v: k for k, v in __import__("flowgeom.nn.llama", fromlist=["GGUF_NAMES"]).GGUF_NAMES.items()}
     for key, t in sd.items():
-        arr = t.numpy().astype(np.float32)
-        if key == "model.embed_tokens.weight":
-            name = "token_embd.weight"
-        elif key == "model.norm.weight":
-            name = "output_norm.weight"
-        elif key == "lm_head.weight":
-            name = "output.weight"
-        else:
-            _, _, layer, *rest = key.split(".")
-            name = f"blk.{layer}.{names['.'.join(rest[:-1])]}.weight"
-            if name.endswith(("attn_q.weight", "attn_k.weight")):
-                arr = _llamacpp_permute(t, 6 if "attn_q" in name else 2).numpy().astype(np.float32)
-        tensors[name] = arr
+        name = gguf_name(key)
+        if name.endswith(("attn_q.weight", "attn_k.weight")):
+            t = _llamacpp_permute(t, 6 if "attn_q" in name else 2)
+        tensors[name] = t.numpy().astype(np.float32)
     write_gguf(tmp_path / "tiny.gguf", tensors, kv=_add_tiny_llama_settings)
     cfg, state = llama_state_dict(tmp_path / "tiny.gguf")
     eps = float(np.float32(1e-5))  # GGUF stores it as float32

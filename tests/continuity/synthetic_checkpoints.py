@@ -35,6 +35,19 @@ def planted_stack(layers: int, m: int, n: int, *, shared: str, seed: int = 0, st
     return torch.stack(mats)  # (layers, m, n)
 
 
+def gguf_name(key: str) -> str:
+    """The GGUF name of an HF Llama tensor name (the inverse of flowgeom.nn.llama.GGUF_NAMES)."""
+    from flowgeom.nn.llama import GGUF_NAMES
+
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+    if key in top:
+        return top[key]
+    _, _, layer, *rest = key.split(".")  # model.layers.<l>.<module path>.weight
+    names = {v: k for k, v in GGUF_NAMES.items()}
+    return f"blk.{layer}.{names['.'.join(rest[:-1])]}.weight"
+
+
 def write_gguf(path, tensors, *, quant=None, tokens: int = 0, kv=None) -> None:
     """A GGUF file with ``tensors`` (torch or numpy, order (out, in)); 2-D ones quantised to ``quant`` if given.
 

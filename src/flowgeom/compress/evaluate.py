@@ -137,7 +137,7 @@ def compare_models(specs: Sequence[str], *, text: str = "kjv", config: EvalConfi
             reference_continuations = reference_continuations or continuations
         if generate:
             row["generate"] = [tokenizer.decode(c) for c in greedy_continuations(
-                model, [encode(p) for p in generate], generation.new_tokens if generation else 48)]
+                model, [encode(p) for p in generate], (generation or GenerationConfig()).new_tokens)]
         row["seconds"] = time.perf_counter() - t0
         saved = _saved_params(path)
         if saved is not None:
