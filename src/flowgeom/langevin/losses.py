@@ -25,24 +25,20 @@ constant on ``U → U M``, ``V → M⁻¹ V`` (M ∈ GL(r)).
 Regularised versions add ``R(W_Q) + R(W_K)`` or ``R(U) + R(V)`` with a
 :class:`~flowgeom.langevin.regularizers.Regularizer`.
 
-An :class:`Objective` bundles a loss with its parameter shapes, a flat-vector
-view (for ``torch.func``) and its symmetry orbit; the textbook potentials
-``‖x‖²`` and ``‖x‖`` are objectives too (no orbit).
+Each is an :class:`~flowgeom.langevin.objective.Objective` (the loss with its
+parameter shapes, a flat-vector view and its symmetry orbit); the textbook
+potentials ``‖x‖²`` and ``‖x‖`` are objectives too (no orbit).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
 from flowgeom.errors import choice_error
-from flowgeom.langevin.regularizers import Regularizer
-
-Params = dict[str, torch.Tensor]
+from flowgeom.langevin.objective import Objective, Params
+from flowgeom.langevin.user_loss import load_objective
 
 
 def attention_loss(w_q: torch.Tensor, w_k: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
@@ -72,56 +68,6 @@ def attention_orbit(w_q: torch.Tensor, w_k: torch.Tensor, m: torch.Tensor) -> tu
 def lora_orbit(u: torch.Tensor, v: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(U M, M⁻¹ V)`` for ``M`` (r r) invertible."""
     return u @ m, torch.linalg.solve(m, v)
-
-
-@dataclass(frozen=True)
-class Objective:
-    """A loss of named tensors with a flat view and (optionally) a symmetry orbit.
-
-    ``orbit(params, t)`` moves along ``M_t = diag(e^t, e^{-t}, 1, …)``: the
-    one-parameter subgroup that sends the weights to infinity while the
-    unregularised loss stays constant.
-    """
-
-    name: str
-    shapes: dict[str, tuple[int, ...]]
-    loss: Callable[[Params], torch.Tensor]
-    orbit_fn: Callable[[Params, torch.Tensor], Params] | None = None
-    orbit_dim: int = 0
-    regularizer: Regularizer = field(default_factory=lambda: Regularizer("none"))
-    theta0: Params | None = None  # where the probe starts (a user's model: its weights); None: a random point
-
-    @property
-    def dim(self) -> int:
-        return sum(math.prod(s) for s in self.shapes.values())
-
-    def unflatten(self, theta: torch.Tensor) -> Params:
-        pieces = theta.split([math.prod(s) for s in self.shapes.values()])
-        return {n: p.reshape(s) for (n, s), p in zip(self.shapes.items(), pieces)}
-
-    def flatten(self, params: Params) -> torch.Tensor:
-        return torch.cat([params[n].reshape(-1) for n in self.shapes])
-
-    def __call__(self, params: Params) -> torch.Tensor:
-        value = self.loss(params)
-        if self.regularizer.kind != "none":
-            value = value + self.regularizer.penalty(params[n] for n in self.shapes)
-        return value
-
-    def flat(self, theta: torch.Tensor) -> torch.Tensor:
-        """``V(θ)`` for a flat ``θ`` (D,)."""
-        return self(self.unflatten(theta))
-
-    def with_regularizer(self, regularizer: Regularizer) -> Objective:
-        return dataclasses.replace(self, regularizer=regularizer)
-
-    def orbit(self, theta: torch.Tensor, t: float) -> torch.Tensor:
-        """The point ``M_t · θ`` of the symmetry orbit through ``θ`` (flat in, flat out)."""
-        if self.orbit_fn is None:
-            return theta
-        diag = torch.ones(self.orbit_dim, dtype=theta.dtype)
-        diag[0], diag[1] = math.exp(t), math.exp(-t)
-        return self.flatten(self.orbit_fn(self.unflatten(theta), torch.diag(diag)))
 
 
 def attention_objective(*, n: int = 8, tokens: int = 4, d: int = 4, d_k: int = 2, d_v: int = 2, seed: int = 0,
@@ -180,8 +126,6 @@ LOSSES = ("attention", "lora", "norm2", "norm1")
 def objective(name: str, *, seed: int = 0) -> Objective:
     """One of :data:`LOSSES` at its default (small) size, or a user's ``FILE.py:NAME`` (:mod:`flowgeom.langevin.user_loss`)."""
     if name not in LOSSES and ":" in name:
-        from flowgeom.langevin.user_loss import load_objective
-
         return load_objective(name, seed=seed)
     if name == "attention":
         return attention_objective(seed=seed)

@@ -1,4 +1,4 @@
-"""A user's own loss as a Villani-probe :class:`~flowgeom.langevin.losses.Objective`.
+"""A user's own loss as a Villani-probe :class:`~flowgeom.langevin.objective.Objective`.
 
 Two ways in:
 
@@ -35,7 +35,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from flowgeom.errors import FlowgeomError
-from flowgeom.langevin.losses import Objective, Params
+from flowgeom.langevin.objective import Objective, Params
 from flowgeom.usercode import attribute, call_factory, describe
 
 SINGLE = "theta"  # the one name of a tensor theta0

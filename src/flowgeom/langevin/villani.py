@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flowgeom.errors import FlowgeomError, finite_number, positive_int
-from flowgeom.langevin.losses import Objective
+from flowgeom.langevin.objective import Objective
 
 VERDICTS = ("holds", "fails", "inconclusive")
 
