@@ -1,8 +1,7 @@
-"""The ``flowgeom compress`` area: ``run``, ``sweep`` and ``evaluate`` (:mod:`flowgeom.cli.compress_run`)
-and ``heal``, which distils the dense model back into a compressed folder.
+"""``flowgeom compress heal``: distil the dense model back into a compressed folder; its flags, which
+``compress run --heal`` and ``compress sweep --heal`` take too.
 
-The maths and the run live in :mod:`flowgeom.compress`; these modules
-parse, validate, call and print. See docs/continuity-sharing.md.
+The healing lives in :mod:`flowgeom.compress.heal`; this module parses, validates, calls and prints.
 """
 
 from __future__ import annotations
@@ -12,14 +11,14 @@ import sys
 from pathlib import Path
 
 from flowgeom.cli._common import (
-    add_json, add_threads, area, bounded_int, command, console, finite_float, positive_int, print_json,
+    add_json, add_threads, bounded_int, command, console, finite_float, positive_int, print_json,
 )
 
 DEFAULT_TOKENS = 102_400  # flowgeom.compress.heal.HealConfig.tokens (kept here: --help imports no torch)
 
 
 def heal_config(args: argparse.Namespace, tokens: int):
-    """The :class:`~flowgeom.compress.heal.HealConfig` of the heal flags (shared with ``share --heal``)."""
+    """The :class:`~flowgeom.compress.heal.HealConfig` of the heal flags (also those of ``compress run --heal``)."""
     from flowgeom.compress.heal import HELD_OUT, HealConfig
 
     return HealConfig(tokens=tokens, seq_len=args.seq_len, batch=args.heal_batch, lr=args.lr,
@@ -65,7 +64,7 @@ def run_heal(args: argparse.Namespace) -> int:
 
 
 def add_heal_flags(p: argparse.ArgumentParser, *, tokens_flag: str | None) -> None:
-    """The heal options, for ``compress heal`` (``tokens_flag`` = ``--tokens``) and ``share --heal``."""
+    """The heal options, for ``compress heal`` (``tokens_flag`` = ``--tokens``) and ``run``/``sweep --heal``."""
     if tokens_flag:
         p.add_argument(tokens_flag, type=positive_int, default=DEFAULT_TOKENS,
                        help=f"healing tokens in all (default {DEFAULT_TOKENS:,}); at least one sequence")
@@ -106,12 +105,8 @@ def add_heal_flags(p: argparse.ArgumentParser, *, tokens_flag: str | None) -> No
     p.add_argument("--teacher", help="the dense model (default: the source recorded in flowgeom_share.json)")
 
 
-def register(sub) -> None:
-    from flowgeom.cli.compress_run import register_verbs
-
-    verbs = area(sub, "compress", "compressed models that still work: compress (low rank, shared bases, dropped "
-                                  "blocks), heal by distillation, judge by perplexity")
-    register_verbs(verbs)
+def register_heal(verbs) -> None:
+    """Add ``heal`` to the ``compress`` area's verb sub-parsers."""
     p = command(verbs, "heal", help="distil the dense model's logits into a compressed folder (factors, or the "
                                     "blocks left after dropping)",
                 example="flowgeom compress run builtin:smollm2 --out runs/w20 --budget 0.2\n"
