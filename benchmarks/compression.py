@@ -45,7 +45,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     from flowgeom.compress.folder import dense_state, factored_llama, projection_bytes, read_factored
-    from flowgeom.compress.run import ShareConfig, share_model
+    from flowgeom.compress.run import CompressionConfig, run_compression
     from flowgeom.nn.llama import llama_from_state
 
     tmp = Path(tempfile.mkdtemp(prefix="fg-bench-"))
@@ -59,11 +59,11 @@ def main() -> None:
         stages[stage] = now - last["t0"]
 
     t0 = time.perf_counter()
-    shared = share_model("builtin:smollm2", tmp / "factored", ShareConfig(method=args.method, budget=args.budget),
-                         progress=progress)
+    result = run_compression("builtin:smollm2", tmp / "factored",
+                             CompressionConfig(method=args.method, budget=args.budget), progress=progress)
     total = time.perf_counter() - t0
-    print(f"share --method {args.method} --budget {args.budget}: {total:.1f} s in all (calibration "
-          f"{'from cache' if shared.report.get('calib_cached') else 'measured'}: {shared.report.get('calib_seconds', 0):.1f} s; "
+    print(f"compress run --method {args.method} --budget {args.budget}: {total:.1f} s in all (calibration "
+          f"{'from cache' if result.report.get('calib_cached') else 'measured'}: {result.report.get('calib_seconds', 0):.1f} s; "
           + ", ".join(f"{k} {v:.1f} s" for k, v in stages.items()) + ")")
     factored_bytes, dense_bytes = projection_bytes(tmp / "factored")
     print(f"projection tensors on disk: factored {factored_bytes / 1e6:.1f} MB / dense float32 {dense_bytes / 1e6:.1f} MB"
@@ -72,7 +72,7 @@ def main() -> None:
     print(f"whole factored folder: {size / 1e6:.1f} MB")
 
     fact = factored_llama(tmp / "factored")
-    dense = llama_from_state(fact.config, shared.compressed.dense_state(shared.state))
+    dense = llama_from_state(fact.config, result.compressed.dense_state(result.state))
     x = torch.randint(0, fact.config.vocab_size, (1, 512))
     with torch.inference_mode():
         diff = float((fact(x) - dense(x)).abs().max())
@@ -89,7 +89,7 @@ def main() -> None:
                 model(x)
                 times[name].append(time.perf_counter() - t)
     med = {k: statistics.median(v) for k, v in times.items()}
-    p = shared.compressed.plan
+    p = result.compressed.plan
     print(f"logits max |factored - dense reconstruction|: float64 {diff64:.2e}, float32 {diff:.2e} (rounding of two "
           f"matmuls against one, on logits up to {scale:.1f})")
     print(f"forward, 512 tokens, 1 thread, median of {args.repeats} interleaved: factored {med['factored']:.3f} s, "
@@ -99,7 +99,7 @@ def main() -> None:
     from flowgeom.compress.write import save_llama_folder
 
     dense_dir.mkdir()
-    save_llama_folder(dense_dir, fact.config.to_hf(), shared.compressed.dense_state(shared.state))
+    save_llama_folder(dense_dir, fact.config.to_hf(), result.compressed.dense_state(result.state))
     rss = {}
     for name, folder in (("factored", tmp / "factored"), ("dense", dense_dir)):
         out = subprocess.run([sys.executable, "-c", RSS, str(folder)], capture_output=True, text=True, check=True)

@@ -34,7 +34,7 @@ def dense_hf(source: str):
     import transformers
 
     from flowgeom.compress.folder import load_model
-    from flowgeom.compress.run import source_path
+    from flowgeom.compress.source import source_path
 
     ours = load_model(source_path(source))
     hf_cfg = transformers.LlamaConfig(**{k: v for k, v in ours.config.to_hf().items() if k != "architectures"})
@@ -69,7 +69,7 @@ def main() -> None:
     args = ap.parse_args()
     from flowgeom.compress import load
     from flowgeom.compress.folder import weights_path
-    from flowgeom.compress.run import source_path
+    from flowgeom.compress.source import source_path
 
     folder = Path(args.folder)
     report = json.loads((folder / "flowgeom_share.json").read_text())

@@ -65,7 +65,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from flowgeom.compress.folder import load_model
     from flowgeom.compress.heal import HealConfig, batch_starts, distillation_step_loss, load_student
-    from flowgeom.compress.run import source_path
+    from flowgeom.compress.source import source_path
     from flowgeom.data.text import load_text
     from flowgeom.data.tokens import load_tokenizer, token_ids
     from flowgeom.files import read_json_object
@@ -114,7 +114,7 @@ def main() -> None:
 
 
 def _print_rss(args) -> None:
-    from flowgeom.compress.run import source_path
+    from flowgeom.compress.source import source_path
     from flowgeom.files import read_json_object
 
     teacher_path = source_path(read_json_object(f"{args.folder}/flowgeom_share.json", fix="")["source"])

@@ -189,7 +189,7 @@ def test_compress_run_writes_the_factors_of_the_in_memory_pipeline(tiny, tmp_pat
 
     from flowgeom.compress.calibrate import GRAD_TOKENS
     from flowgeom.compress.folder import factored_tensors
-    from flowgeom.compress.run import calibration_ids
+    from flowgeom.compress.calibrate import calibration_ids
     from flowgeom.compress.source import view_model
     from flowgeom.compress.store import cache_root
     from flowgeom.data.tokens import load_tokenizer

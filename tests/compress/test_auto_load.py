@@ -32,7 +32,7 @@ def factored(capsys, tiny, tmp_path):  # noqa: F811
 
 
 def test_a_factored_folder_names_its_own_model_type(factored):
-    from flowgeom.compress.auto import FACTORED_TYPE, REFUSAL
+    from flowgeom.compress.folder import FACTORED_TYPE, REFUSAL
     from flowgeom.compress.folder import WEIGHTS_NAME
 
     cfg = json.loads((factored / "config.json").read_text())

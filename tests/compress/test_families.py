@@ -40,7 +40,7 @@ def test_role_weights_round_trip_and_split_as_the_module_computes(model_type):
     roles = role_state(arch, state, L)
     back = family_state(arch, roles, L)
     assert set(back) == set(state) and all(torch.equal(back[k], state[k]) for k in state)
-    from flowgeom.compress.plan import weight_key
+    from flowgeom.compress.arch import weight_key
 
     x = torch.randn(5, model.config.hidden_size, dtype=torch.float32)
     with torch.no_grad():
@@ -72,7 +72,7 @@ def test_runner_blocks_give_the_models_own_logits(model_type):
 @pytest.fixture(scope="module")
 def compressed(tmp_path_factory):
     """Per family: (source folder, factored folder (default method, loss-allocated ranks), dense folder)."""
-    from flowgeom.compress.run import ShareConfig, share_model
+    from flowgeom.compress.run import CompressionConfig, run_compression
 
     made = {}
     root = tmp_path_factory.mktemp("families")
@@ -83,8 +83,8 @@ def compressed(tmp_path_factory):
         _tiny(mt, seed=2).save_pretrained(src)
         _byte_tokenizer().save(str(src / "tokenizer.json"))
         config = dict(budget=0.3, calib_tokens=1024, seq_len=64)
-        share_model(str(src), root / f"{mt}-f", ShareConfig(**config))
-        share_model(str(src), root / f"{mt}-d", ShareConfig(**config, dense=True, allocate="even"))
+        run_compression(str(src), root / f"{mt}-f", CompressionConfig(**config))
+        run_compression(str(src), root / f"{mt}-d", CompressionConfig(**config, dense=True, allocate="even"))
         made[mt] = (src, root / f"{mt}-f", root / f"{mt}-d")
     yield made
     mp.undo()
@@ -153,7 +153,7 @@ def test_sequential_on_a_fused_family_writes_what_it_measured(tmp_path, monkeypa
     Grams: its factors differ from the one-pass run's after the first layer, and the folder loads exactly."""
     from flowgeom.compress import load
     from flowgeom.compress.folder import dense_state, read_factored
-    from flowgeom.compress.run import ShareConfig, share_model
+    from flowgeom.compress.run import CompressionConfig, run_compression
     from flowgeom.compress.source import build_model
 
     monkeypatch.setenv("FLOWGEOM_CACHE", str(tmp_path / "cache"))
@@ -161,8 +161,8 @@ def test_sequential_on_a_fused_family_writes_what_it_measured(tmp_path, monkeypa
     _tiny("falcon", seed=5).save_pretrained(src)
     _byte_tokenizer().save(str(src / "tokenizer.json"))
     base = dict(budget=0.3, calib_tokens=1024, seq_len=64, allocate="even")
-    share_model(str(src), tmp_path / "one", ShareConfig(**base))
-    share_model(str(src), tmp_path / "seq", ShareConfig(**base, sequential=True))
+    run_compression(str(src), tmp_path / "one", CompressionConfig(**base))
+    run_compression(str(src), tmp_path / "seq", CompressionConfig(**base, sequential=True))
     _, units1, t1 = read_factored(tmp_path / "one")
     cfg, units2, t2 = read_factored(tmp_path / "seq")
     first = [u.coeffs[0] for u in units1 if u.layers == (0,)]
@@ -236,11 +236,11 @@ def test_a_fused_layout_the_table_does_not_know_is_one_line_exit_2(compressed, t
 
 
 def test_sweep_scores_a_family_at_several_budgets(compressed, tmp_path):
-    from flowgeom.compress.run import ShareConfig
+    from flowgeom.compress.run import CompressionConfig
     from flowgeom.compress.sweep import sweep_budgets
 
     src = compressed["gpt2"][0]
-    result = sweep_budgets(str(src), tmp_path / "s", ShareConfig(calib_tokens=1024, seq_len=64, allocate="even"),
+    result = sweep_budgets(str(src), tmp_path / "s", CompressionConfig(calib_tokens=1024, seq_len=64, allocate="even"),
                            [0.2, 0.5], eval_tokens=256, context=64)
     ratios = [p["ppl_ratio"] for p in result["points"]]
     assert [p["budget"] for p in result["points"]] == [0.2, 0.5] and (tmp_path / "s" / "sweep.json").is_file()

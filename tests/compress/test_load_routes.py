@@ -100,13 +100,13 @@ def _source(root, family: str):
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     """Per family: (dense HF source folder, factored folder), built once."""
-    from flowgeom.compress.run import ShareConfig, share_model
+    from flowgeom.compress.run import CompressionConfig, run_compression
 
     root = tmp_path_factory.mktemp("routes")
     made = {}
     for family in FAMILIES:
         src = _source(root, family)
-        share_model(str(src), root / f"{family}-f", ShareConfig(method="svd", budget=0.3))
+        run_compression(str(src), root / f"{family}-f", CompressionConfig(method="svd", budget=0.3))
         made[family] = (src, root / f"{family}-f")
     return made
 
@@ -123,7 +123,7 @@ def reference(folders):
 @pytest.fixture(scope="module")
 def routes(folders):
     """Per import order, what each route gave in a fresh interpreter (the three run side by side)."""
-    from flowgeom.compress.auto import base_config_json
+    from flowgeom.compress.folder import base_config_json
 
     base = {}
     for family, (_, folder) in folders.items():
@@ -181,7 +181,7 @@ def test_an_older_factored_folder_still_loads(folders, reference, tmp_path):
     """A folder written before the refusal keys (type flowgeom_factored, tensors in model.safetensors): load and
     the Auto class (registered in this process) read it as before."""
     from flowgeom.compress import load
-    from flowgeom.compress.auto import LEGACY_TYPE
+    from flowgeom.compress.folder import LEGACY_TYPE
     from flowgeom.compress.folder import LEGACY_WEIGHTS, WEIGHTS_NAME
 
     old = tmp_path / "old"

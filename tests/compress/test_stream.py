@@ -13,8 +13,8 @@ import torch
 from flowgeom.cli import main
 from flowgeom.compress.folder import load_model, read_factored
 from flowgeom.compress.perplexity import EvalConfig, perplexity
-from flowgeom.compress.run import ShareConfig, share_model
-from flowgeom.compress.stream import float32_bytes, stream_share
+from flowgeom.compress.run import CompressionConfig, run_compression
+from flowgeom.compress.stream import float32_bytes, stream_compression
 from flowgeom.errors import FlowgeomError
 from flowgeom.nn.llama import LlamaConfig, LlamaForCausalLM
 
@@ -145,11 +145,11 @@ def test_streamed_grams_equal_calibrate_bit_for_bit(models, monkeypatch):
 
 @pytest.mark.parametrize("method", ["whiten", "svd"])
 def test_stream_equals_the_in_memory_compression(models, tmp_path, method):
-    config = ShareConfig(method=method, allocate="even", budget=0.3, calib=models["calib"], **CALIB)
+    config = CompressionConfig(method=method, allocate="even", budget=0.3, calib=models["calib"], **CALIB)
     src = models[method == "whiten"]  # svd on the untied model: lm_head comes from the source at assembly
-    mem = share_model(str(src), tmp_path / "mem", config).report
+    mem = run_compression(str(src), tmp_path / "mem", config).report
     stages: list[tuple[str, int, int]] = []
-    streamed = stream_share(str(src), tmp_path / "stream", config, progress=lambda *a: stages.append(a))
+    streamed = stream_compression(str(src), tmp_path / "stream", config, progress=lambda *a: stages.append(a))
 
     diffs = _same_tensors(tmp_path / "mem", tmp_path / "stream")
     assert any(".basis" in k for k in diffs) and any(".coeff" in k for k in diffs)
@@ -173,12 +173,13 @@ def test_stream_equals_the_in_memory_compression(models, tmp_path, method):
 def test_stream_sequential_equals_in_memory_and_differs_from_one_pass(models, tmp_path):
     """--sequential measures block l's Grams on the compressed blocks before it: block 0 as in one pass,
     later blocks not."""
-    seq = ShareConfig(method="whiten", allocate="even", budget=0.3, calib=models["calib"], sequential=True, **CALIB)
-    one = ShareConfig(method="whiten", allocate="even", budget=0.3, calib=models["calib"], **CALIB)
+    seq = CompressionConfig(method="whiten", allocate="even", budget=0.3, calib=models["calib"], sequential=True,
+                            **CALIB)
+    one = CompressionConfig(method="whiten", allocate="even", budget=0.3, calib=models["calib"], **CALIB)
     src = models[True]
-    share_model(str(src), tmp_path / "mem", seq)
-    stream_share(str(src), tmp_path / "seq", seq)
-    stream_share(str(src), tmp_path / "one", one)
+    run_compression(str(src), tmp_path / "mem", seq)
+    stream_compression(str(src), tmp_path / "seq", seq)
+    stream_compression(str(src), tmp_path / "one", one)
     diffs = _same_tensors(tmp_path / "mem", tmp_path / "seq")
     assert max(diffs.values()) < 1e-6, max(diffs.items(), key=lambda kv: kv[1])
     across = _same_tensors(tmp_path / "one", tmp_path / "seq")

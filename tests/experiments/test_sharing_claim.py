@@ -20,9 +20,9 @@ import torch
 
 from flowgeom.cli import main
 from flowgeom.compress import factorize as fz
+from flowgeom.compress.arch import weight_key
+from flowgeom.compress.plan import SEED_SPACE, layer_groups
 from flowgeom.compress.write import save_llama_folder
-from flowgeom.compress.blocks import layer_groups
-from flowgeom.compress.plan import SEED_SPACE, weight_key
 from flowgeom.errors import FlowgeomError
 from flowgeom.experiments import sharing
 from flowgeom.nn.llama import LlamaConfig, LlamaForCausalLM, llama_from_state

@@ -3,7 +3,7 @@
 ``register_verbs(verbs)`` adds the verbs to the ``compress`` area (see
 :mod:`flowgeom.cli.compress`, which adds ``heal``). The maths lives in
 :mod:`flowgeom.compress.run` and :mod:`flowgeom.compress.perplexity`;
-this module parses, validates, calls and prints. See docs/continuity-sharing.md.
+this module parses, validates, calls and prints. See docs/compression.md.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from flowgeom.cli._common import (
     add_device, add_json, add_threads, bounded_int, command, comma_list, console, finite_float,
     positive_int, print_json, resolve_device,
 )
+from flowgeom.cli.compress_heal import add_heal_flags, heal_config, heal_printer
 from flowgeom.cli.progress import stage_progress
 from flowgeom.errors import FlowgeomError
 from flowgeom.limits import LIMITS
@@ -35,36 +36,35 @@ def _budgets(text: str) -> tuple[float, ...]:
     return items
 
 
-def _share_config(args: argparse.Namespace, *, budget: float | None, rank: int | None = None, dense: bool = False):
-    from flowgeom.compress.run import ShareConfig
+def _compression_config(args: argparse.Namespace, *, budget: float | None, rank: int | None = None,
+                        dense: bool = False):
+    from flowgeom.compress.run import CompressionConfig
 
-    return ShareConfig(method=args.method, budget=budget, rank=rank, roles=args.roles, group=args.group,
-                       space=args.space, calib=args.calib, calib_tokens=args.calib_tokens,
-                       sequential=args.sequential, refit=args.refit, dense=dense, cache=not args.no_cache,
-                       dtype=args.dtype, allocate=args.allocate, max_flops=args.max_flops)
+    return CompressionConfig(method=args.method, budget=budget, rank=rank, roles=args.roles, group=args.group,
+                             space=args.space, calib=args.calib, calib_tokens=args.calib_tokens,
+                             sequential=args.sequential, refit=args.refit, dense=dense, cache=not args.no_cache,
+                             dtype=args.dtype, allocate=args.allocate, max_flops=args.max_flops)
 
 
 def run_compress(args: argparse.Namespace) -> int:
-    from flowgeom.compress.run import share_model
+    from flowgeom.compress.run import run_compression
 
     if args.heal is not None and args.dense:
         raise FlowgeomError("--heal trains the factors (or the blocks left after dropping): drop --dense, or drop "
                             "--heal")
     budget = None if args.rank is not None else (0.2 if args.budget is None else args.budget)
-    config = _share_config(args, budget=budget, rank=args.rank, dense=args.dense)  # every option checked first
-    from flowgeom.compress.stream import stream_by_default, stream_share  # --stream: one block in memory at a time
+    config = _compression_config(args, budget=budget, rank=args.rank, dense=args.dense)  # every option checked first
+    from flowgeom.compress.stream import stream_by_default, stream_compression  # one block in memory at a time
 
     stream = stream_by_default(args.source, asked=args.stream, heal=args.heal is not None)
     healing = None
     if args.heal is not None:
-        from flowgeom.cli.compress import heal_config, heal_printer
-
         healing = heal_config(args, args.heal)
     with stage_progress(not args.json) as update:
         if stream:
-            result = stream_share(args.source, Path(args.out), config, force=args.force, progress=update)
+            result = stream_compression(args.source, Path(args.out), config, force=args.force, progress=update)
         else:
-            result = share_model(args.source, Path(args.out), config, force=args.force, progress=update).report
+            result = run_compression(args.source, Path(args.out), config, force=args.force, progress=update).report
         if healing is not None:
             from flowgeom.compress.heal import heal_folder
 
@@ -77,7 +77,7 @@ def run_compress(args: argparse.Namespace) -> int:
                         f"{result['dropped']} ({result['layers']} left): {100 * result['scope_saved_fraction']:.2f}% "
                         f"of the projections saved, asked {100 * result['budget']:g}%; {result['seconds']:.1f} s")
     else:
-        _print_share(result)
+        _print_run(result)
     return 0
 
 
@@ -86,12 +86,10 @@ def run_sweep(args: argparse.Namespace) -> int:
 
     from flowgeom.compress.agreement import GenerationConfig
 
-    config = _share_config(args, budget=args.budgets[0])  # every option checked before any work
+    config = _compression_config(args, budget=args.budgets[0])  # every option checked before any work
     judge = None if args.no_generation else GenerationConfig(prompts=args.prompts)
     healing = None
     if args.heal is not None:
-        from flowgeom.cli.compress import heal_config
-
         healing = heal_config(args, args.heal)
     with stage_progress(not args.json) as update:
         result = sweep_budgets(args.source, Path(args.out), config, args.budgets, force=args.force,
@@ -108,7 +106,7 @@ def _show(args: argparse.Namespace, result: dict, table) -> int:
     return 0
 
 
-def _print_share(report: dict) -> None:
+def _print_run(report: dict) -> None:
     from rich.markup import escape
     from rich.table import Table
 
@@ -265,12 +263,13 @@ def add_method_flags(p: argparse.ArgumentParser) -> None:
                         "Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Phi-3, GPT-2, GPT-NeoX or Falcon")
     p.add_argument("--method", choices=METHODS, default="whiten",
                    help="svd: data-free per layer (the floor); whiten: SVD-LLM per layer (default: the lowest "
-                        "perplexity measured on SmolLM2, docs/continuity-sharing.md); basis-sharing: Wang et "
+                        "perplexity measured on SmolLM2, docs/compression.md); basis-sharing: Wang et "
                         "al. 2025 (q,k,v,gate,up shared in input space over --group layers); share: whitened "
                         "sharing in --space; continuity: each role's space and which adjacent layers share, "
                         "from the measured continuity; drop-angular / drop-bi: drop whole blocks (Gromov et al. "
                         "2024 / ShortGPT), a plain Llama with fewer layers; mixed: drop n blocks (angular) and "
-                        "low-rank the rest to the budget, n chosen by measured calibration loss")
+                        "low-rank the rest to the budget, n chosen by measured calibration loss (drop-*, mixed: "
+                        "Llama only)")
     p.add_argument("--roles", type=comma_list(ROLES, what="role"), default=ROLES,
                    help="roles to compress, comma-separated (default all seven)")
     p.add_argument("--group", type=positive_int(maximum=MAX_LAYERS), default=2,
@@ -282,7 +281,7 @@ def add_method_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calib", default="kjv+pydoc", metavar="TEXT",
                    help="calibration text: the train split of kjv (the shipped KJV), pydoc (the Python reference's "
                         "prose), a mix of them (default kjv+pydoc: measured better out of domain, "
-                        "docs/continuity-sharing.md), or a UTF-8 file")
+                        "docs/compression.md), or a UTF-8 file")
     p.add_argument("--calib-tokens", type=positive_int, default=DEFAULT_CALIB_TOKENS,
                    help=f"calibration tokens (default {DEFAULT_CALIB_TOKENS:,}: more than 10x the widest "
                         "projection input of SmolLM2, so every Gram is full rank and well conditioned)")
@@ -292,7 +291,7 @@ def add_method_flags(p: argparse.ArgumentParser) -> None:
                    help="ranks: even (the rank rule per role) or loss (every whitened singular component scored by "
                         "the calibration loss it costs, selected model-wide at the budget; a projection stays dense "
                         "where factoring saves nothing). Default: loss for calibrated methods (measured better, "
-                        "docs/continuity-sharing.md), even for svd and --rank")
+                        "docs/compression.md), even for svd and --rank")
     p.add_argument("--max-flops", type=finite_float(0.0, 1.0, lo_open=True), default=1.0, metavar="FRACTION",
                    help="with loss allocation: keep dense every projection whose factors would run more than "
                         "FRACTION of its dense flops (two thin GEMMs run below one square GEMM's rate); default 1.0")
@@ -322,14 +321,12 @@ def register_verbs(verbs) -> None:
     size.add_argument("--rank", type=positive_int, help="instead of --budget: one rank for every basis")
     p.add_argument("--dense", action="store_true", help="write the family's plain weights (a standard folder) instead of bases + coefficients")
     p.add_argument("--stream", action="store_true",
-                   help="compress a model larger than memory one decoder block at a time (an HF folder of sharded "
+                   help="compress a Llama larger than memory one decoder block at a time (an HF folder of sharded "
                         "safetensors; --method svd or whiten, even ranks); the default when the model's float32 "
                         "size exceeds the available memory")
     p.add_argument("--heal", type=positive_int, metavar="TOKENS",
                    help="then heal the result by distillation on TOKENS healing tokens (flowgeom compress heal; "
                         "its options below)")
-    from flowgeom.cli.compress import add_heal_flags
-
     add_heal_flags(p, tokens_flag=None)
     add_threads(p)
     add_json(p)
@@ -351,8 +348,6 @@ def register_verbs(verbs) -> None:
     p.add_argument("--no-generation", action="store_true", help="perplexity only: no agreement, no generation")
     p.add_argument("--heal", type=positive_int, metavar="TOKENS",
                    help="write each point to OUT-b<budget>/ and heal it on TOKENS tokens before judging it")
-    from flowgeom.cli.compress import add_heal_flags
-
     add_heal_flags(p, tokens_flag=None)
     add_threads(p)
     add_json(p)

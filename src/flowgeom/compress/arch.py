@@ -2,7 +2,7 @@
 
 The compressor's maths (plans, whitening, shared bases, rank allocation) works
 on *role weights*: per layer, the (out, in) matrix of each role q, k, v, o,
-gate, up, down, stored under Llama's names (:func:`flowgeom.compress.plan.weight_key`).
+gate, up, down, stored under Llama's names (:func:`weight_key`) whatever the family.
 Families differ only in where a role lives, and the one family table
 (:mod:`flowgeom.hf.families`) says where:
 
@@ -27,18 +27,22 @@ Mixture-of-experts models and encoders are refused with one line.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from flowgeom.errors import FlowgeomError
+from flowgeom.errors import FlowgeomError, choice_error
 
-ROLE_ORDER = ("q", "k", "v", "o", "gate", "up", "down")
+# Role -> its module in a Llama layer: the names role weights are stored under, whatever the family
+HF_NAMES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+            "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+ROLES = tuple(HF_NAMES)
 # Gram group -> roles that read its input (the calibration's four inputs of a block)
 INPUT_GROUPS = {"attn": ("q", "k", "v"), "o": ("o",), "mlp": ("gate", "up"), "down": ("down",)}
+ROLE_GRAM = {role: key for key, roles in INPUT_GROUPS.items() for role in roles}
 CAUSAL_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "gpt2", "gpt_neox", "falcon")
 _BASE = {"gpt2": "transformer", "falcon": "transformer", "gpt_neox": "gpt_neox"}  # else "model"
 _FINAL_NORM = {"gpt2": "ln_f", "falcon": "ln_f", "gpt_neox": "final_layer_norm"}  # else "norm"
@@ -65,13 +69,11 @@ class Arch:
 
     @property
     def roles(self) -> tuple[str, ...]:
-        return tuple(r for r in ROLE_ORDER if r in self.slots)
+        return tuple(r for r in ROLES if r in self.slots)
 
     @property
     def identity(self) -> bool:
         """Role weights are the family's own tensors (separate ``nn.Linear`` under Llama's names)."""
-        from flowgeom.compress.blocks import HF_NAMES
-
         return self.layers == "model.layers" and all(s.rows is None and not s.conv1d and s.path == HF_NAMES[r]
                                                      for r, s in self.slots.items())
 
@@ -175,11 +177,31 @@ def _as_rows(w: torch.Tensor, slot: Slot) -> torch.Tensor:
     return w if slot.rows is None else w[list(slot.rows)]
 
 
+def weight_key(layer: int, role: str) -> str:
+    return f"model.layers.{layer}.{HF_NAMES[role]}.weight"
+
+
+def role_shapes(state: Mapping[str, torch.Tensor], roles: Sequence[str], n_layers: int) -> dict[str, tuple[int, int]]:
+    """Role -> the (out, in) shape of its weight, the same in every layer (refused otherwise: bases are shared)."""
+    shapes = {}
+    for role in roles:
+        if role not in HF_NAMES:
+            raise choice_error("role", role, ROLES)
+        seen = {tuple(state[weight_key(l, role)].shape) for l in range(n_layers) if weight_key(l, role) in state}
+        missing = [l for l in range(n_layers) if weight_key(l, role) not in state]
+        if missing:
+            raise FlowgeomError(f"role {role} ({HF_NAMES[role]}) is missing in layer(s) {missing[:5]}; pass roles "
+                                f"the model has")
+        if len(seen) != 1:
+            raise FlowgeomError(f"role {role} has different shapes across layers ({sorted(seen)}); every layer of "
+                                "a role must have the same shape to share bases")
+        shapes[role] = seen.pop()
+    return shapes
+
+
 def role_state(arch: Arch, state: Mapping[str, torch.Tensor], n_layers: int) -> dict[str, torch.Tensor]:
     """``state`` with every projection weight replaced by its role weights (Llama names, (out, in),
     contiguous); everything else (biases included) kept under its own name."""
-    from flowgeom.compress.plan import weight_key
-
     if arch.identity:
         return dict(state)
     out = dict(state)
@@ -211,8 +233,6 @@ def fused_weight(arch: Arch, path: str, parts: Mapping[str, torch.Tensor]) -> to
 
 def family_state(arch: Arch, state: Mapping[str, torch.Tensor], n_layers: int) -> dict[str, torch.Tensor]:
     """The inverse of :func:`role_state`: the family's own tensor names and layouts."""
-    from flowgeom.compress.plan import weight_key
-
     if arch.identity:
         return dict(state)
     out = dict(state)

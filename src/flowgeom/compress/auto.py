@@ -6,13 +6,13 @@ architectures in ``flowgeom_base_architectures``) with three keys that keep a lo
 that does not know the format from building the family's model with the compressed
 projections left random (they are not in the file under their dense names):
 
-* ``model_type`` is :data:`FACTORED_TYPE`, ``"flowgeom_factored: load it with
+* ``model_type`` is :data:`~flowgeom.compress.folder.FACTORED_TYPE`, ``"flowgeom_factored: load it with
   flowgeom.compress.load"``. ``AutoModelForCausalLM``, ``pipeline(...)`` and
   ``AutoConfig`` resolve the type first and raise transformers' ``ValueError``
   "... has model type `flowgeom_factored: load it with flowgeom.compress.load` but
   Transformers does not recognize this architecture";
 * ``transformers_weights`` (the weights file transformers reads when a config.json
-  names one) is :data:`REFUSAL`, which is no file name. The family's own class
+  names one) is :data:`~flowgeom.compress.folder.REFUSAL`, which is no file name. The family's own class
   (``LlamaForCausalLM.from_pretrained(folder)``, ``Qwen2ForCausalLM`` ...), which only
   warns about a foreign ``model_type``, raises ``ValueError`` "The transformers file in
   the config seems to be incorrect: ...: none: a flowgeom factored folder, load it
@@ -48,40 +48,17 @@ every other source ``compress run`` reads.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    import torch
+import torch
 
-FACTORED_TYPE = "flowgeom_factored: load it with flowgeom.compress.load"
-LEGACY_TYPE = "flowgeom_factored"  # folders written before the type said how to load them
-FACTORED_TYPES = (FACTORED_TYPE, LEGACY_TYPE)
-FACTORED_ARCH = "FlowgeomFactoredForCausalLM"
-BASE_KEY = "flowgeom_base_model_type"
-BASE_ARCH_KEY = "flowgeom_base_architectures"
-WEIGHTS_KEY = "transformers_weights"
-REFUSAL = "none: a flowgeom factored folder, load it with flowgeom.compress.load"
+from flowgeom.compress.arch import CAUSAL_FAMILIES, check_family
+from flowgeom.compress.folder import FACTORED_TYPES, factored_hf, is_factored
+from flowgeom.compress.source import (build_model, folder_model_type, is_native, load_dense, pretrained, source_path,
+                                      transformers_config)
+from flowgeom.errors import FlowgeomError
 
 _CONFIGS: dict[str, type] = {}  # model type -> the config class registered with AutoConfig
 _MODELS: set[str] = set()  # model types registered with AutoModelForCausalLM
-
-
-def factored_config_json(config_json: dict) -> dict:
-    """The ``config.json`` object of a factored folder made from the dense model's (or an older factored
-    folder's) ``config_json``."""
-    base = base_config_json(config_json)
-    return {**base, "model_type": FACTORED_TYPE, "architectures": [FACTORED_ARCH], WEIGHTS_KEY: REFUSAL,
-            BASE_KEY: base.get("model_type", "llama"), BASE_ARCH_KEY: base.get("architectures") or ["LlamaForCausalLM"]}
-
-
-def base_config_json(config_json: dict) -> dict:
-    """The dense model's config object back from a factored folder's (any other is returned unchanged)."""
-    if config_json.get("model_type") not in FACTORED_TYPES:
-        return config_json
-    out = {k: v for k, v in config_json.items() if k not in (BASE_KEY, BASE_ARCH_KEY, WEIGHTS_KEY)}
-    out["model_type"] = config_json.get(BASE_KEY, "llama")
-    out["architectures"] = config_json.get(BASE_ARCH_KEY) or ["LlamaForCausalLM"]
-    return out
 
 
 def register_config() -> None:
@@ -119,10 +96,6 @@ def _model_class(config_class: type) -> type:
 
         @classmethod
         def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-            import torch
-
-            from flowgeom.compress.folder import factored_hf
-
             dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
             dtype = dtype if isinstance(dtype, torch.dtype) else torch.float32  # None / "auto": as computed
             return factored_hf(pretrained_model_name_or_path, dtype=dtype)
@@ -133,9 +106,6 @@ def _model_class(config_class: type) -> type:
 
 def declares_factored(path: Path) -> bool:
     """Whether ``path`` is a folder whose config.json names a factored type (with or without its JSON)."""
-    from flowgeom.compress.source import folder_model_type
-    from flowgeom.errors import FlowgeomError
-
     try:
         return folder_model_type(Path(path)) in FACTORED_TYPES
     except FlowgeomError:  # an unreadable config.json: reported by the reader that needs it
@@ -158,15 +128,6 @@ def load(source: str | Path, *, dtype: torch.dtype | None = None):
     ``AutoModelForCausalLM.from_pretrained(folder)`` gives the same factored model once flowgeom is imported
     (module docstring); without flowgeom every transformers route refuses a factored folder.
     """
-    import torch
-
-    from flowgeom.compress.arch import CAUSAL_FAMILIES, check_family
-    from flowgeom.compress.folder import factored_hf, is_factored
-    from flowgeom.compress.run import source_path
-    from flowgeom.compress.source import (build_model, folder_model_type, is_native, load_dense, pretrained,
-                                          transformers_config)
-    from flowgeom.errors import FlowgeomError
-
     path = source_path(str(source))  # builtin: resolved; a missing path refused with what is accepted
     dtype = torch.float32 if dtype is None else dtype
     if is_factored(path) or declares_factored(path):  # without its JSON: read_factored says which file is missing

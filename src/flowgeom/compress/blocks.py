@@ -1,54 +1,26 @@
-"""Where each role is continuous, how layers group, and layer dropping: what compression builds on.
+"""Which whole blocks to drop (Llama only: blocks are found by Llama's names).
 
-Seed 001's design implication: adjacent layers share singular directions, so
-a group of g adjacent layers can share one rank-r basis in the space where the
-role is continuous (:data:`SEED_SPACE`; Q, K, Gate, Up: input space; O, Down:
-output space). The factorisations themselves (data-free or calibrated shared
-bases, per-layer SVD, their parameter counts and rank rules) live in
-:mod:`flowgeom.compress.factorize`; plans over a model in
-:mod:`flowgeom.compress.plan`; the end-to-end call in
-:mod:`flowgeom.compress.run`.
-
-**Layer dropping.** Dropping a layer saves every parameter of the block (its
-seven projections and two norms); the blocks to drop are ranked by continuity
+Dropping a layer saves every parameter of the block (its seven projections and
+two norms); the blocks to drop are ranked by continuity
 (:func:`continuity_scores`), at random (the control), by ShortGPT's Block
 Influence (:func:`bi_drop`) or by Gromov et al.'s angular distance
-(:func:`angular_drop`). Every function works on plain values or an HF-named
-state dict without touching the input.
+(:func:`angular_drop`). Every function but :func:`drop_blocks` (the ``drop-*``
+methods of ``compress run``) works on plain values or an HF-named state dict
+without touching the input.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from typing import Any
 
 import torch
 
-from flowgeom.compress.factorize import SPACES
-from flowgeom.errors import FlowgeomError, choice_error
-
-# Where seed 001 says each role is continuous (V: no clear opportunity, so no entry).
-SEED_SPACE = {"q": "input", "k": "input", "gate": "input", "up": "input", "o": "output", "down": "output"}
-HF_NAMES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
-            "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
-ROLES = tuple(HF_NAMES)
-
-
-def opposite(space: str) -> str:
-    """``input`` <-> ``output`` (strategy (b) of the sharing experiment)."""
-    if space not in SPACES:
-        raise choice_error("space", space, SPACES)
-    return SPACES[1 - SPACES.index(space)]
-
-
-def layer_groups(n_layers: int, group: int) -> list[list[int]]:
-    """``[[0..g-1], [g..2g-1], ...]``; the last group holds the remainder (a single layer shares nothing)."""
-    if not 1 <= group <= n_layers:
-        raise FlowgeomError(f"--group {group} is outside 1..{n_layers}, the number of layers of the model; "
-                            "pass a smaller --group")
-    return [list(range(s, min(s + group, n_layers))) for s in range(0, n_layers, group)]
-
-
-# ---------------------------------------------------------------- layer dropping
+from flowgeom.compress.arch import role_shapes, weight_key
+from flowgeom.compress.calibrate import cached_calibration, calibration_ids
+from flowgeom.compress.source import check_vocab, view_model
+from flowgeom.errors import FlowgeomError
 
 def block_params(state: Mapping[str, torch.Tensor], layer: int) -> int:
     """Numbers stored by decoder block ``layer`` (all its tensors)."""
@@ -125,3 +97,25 @@ def angular_drop(angular: Mapping[int, Sequence[float]], n: int) -> list[int]:
     row = angular[n]
     start = min(range(len(row)), key=lambda l: (row[l], l))
     return list(range(start, start + n))
+
+
+def drop_blocks(config, cfg, state: Mapping[str, torch.Tensor], source, tokenizer, *, progress=None,
+                calib_cache: dict | None = None) -> tuple[Any, dict[str, torch.Tensor], dict[str, Any]]:
+    """``(config, state, facts)`` of the model without the blocks ``config.method`` ranks first: as many as
+    save ``config.budget`` of the in-scope projection parameters (the calibration pass gives BI and angles)."""
+    cache = calib_cache if calib_cache is not None else {}
+    if "ids" not in cache:
+        check_vocab(tokenizer, cfg, source)
+        cache["ids"] = calibration_ids(source, config.calib, config.calib_tokens, config.seq_len, tokenizer)
+    if "calib" not in cache:
+        step = (lambda d, t: progress("calibrate", d, t)) if progress else None
+        cache["calib"], _ = cached_calibration(view_model(cfg, state), state, cache["ids"], progress=step)
+    L = cfg.num_hidden_layers
+    role_shapes(state, config.roles, L)
+    scope = sum(L * state[weight_key(0, r)].numel() for r in config.roles)
+    n = drop_count(config.budget, scope, block_params(state, 0), L)
+    calib = cache["calib"]
+    dropped = angular_drop(calib.angular, n) if config.method == "drop-angular" else bi_drop(calib.block_influence, n)
+    saved = sum(block_params(state, l) for l in dropped)
+    return (replace(cfg, num_hidden_layers=L - n), drop_layers(state, dropped, n_layers=L),
+            {"dropped": dropped, "scope_params": scope, "saved_params": saved, "scope_saved_fraction": saved / scope})

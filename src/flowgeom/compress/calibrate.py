@@ -1,10 +1,10 @@
-"""Calibration: the input Gram of every projection of a Llama, and the hidden-state statistics of pruning.
+"""Calibration: the input Gram of every projection of a causal LM, and the hidden-state statistics of pruning.
 
 **What is measured.** Calibration text is cut into ``seq_len``-token sequences
-and run through the model block by block. In block l four inputs are seen:
-the attention input (after ``input_layernorm``; read by q, k, v), the input of
-``o_proj``, the MLP input (after ``post_attention_layernorm``; read by gate
-and up) and the input of ``down_proj``. Each one's Gram ``X^T X`` accumulates in
+(:func:`calibration_ids`) and run through the model block by block. In block l
+four inputs are seen (:data:`~flowgeom.compress.arch.INPUT_GROUPS`): the
+attention input (after its norm; read by q, k, v), the input of o, the MLP
+input (read by gate and up) and the input of down. Each one's Gram ``X^T X`` accumulates in
 float64, chunk by chunk (:data:`GRAM_KEYS`): a chunk's product is formed in the
 activations' own precision (at most a few thousand rows each, as SVD-LLM
 forms its Grams; a float64 product of the 1536-wide down_proj input was half
@@ -51,14 +51,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from flowgeom.compress.store import GramFiles
+from flowgeom.compress.arch import HF_NAMES, INPUT_GROUPS, ROLE_GRAM, weight_key
+from flowgeom.compress.arch import runner as runner_of
+from flowgeom.compress.store import GramFiles, TensorFiles, cache_root
 from flowgeom.errors import FlowgeomError
 from flowgeom.memory import trim_heap
 
-# Gram name -> (module whose input it is, the roles that read it)
-GRAM_KEYS = {"attn": ("self_attn.q_proj", ("q", "k", "v")), "o": ("self_attn.o_proj", ("o",)),
-             "mlp": ("mlp.gate_proj", ("gate", "up")), "down": ("mlp.down_proj", ("down",))}
-ROLE_GRAM = {role: key for key, (_, roles) in GRAM_KEYS.items() for role in roles}
+# Gram name -> (Llama's module whose input it is, the roles that read it)
+GRAM_KEYS = {key: (HF_NAMES[roles[0]], roles) for key, roles in INPUT_GROUPS.items()}
 PRUNE_TOKENS = 2048  # tokens whose hidden states feed BI and the angular distances
 DEFAULT_TOKENS = 16384  # > 10x the widest projection input of SmolLM2 (1,536): Grams full rank and well conditioned
 FORMAT = "flowgeom-calibration-2"
@@ -81,6 +81,23 @@ class Calibration:
         return torch.stack([self.grams[l][ROLE_GRAM[role]] for l in layers])
 
 
+def calibration_ids(source: Path, calib: str, tokens: int, seq_len: int, tokenizer) -> torch.Tensor:
+    """(S, seq_len) calibration ids from ``calib``: the train split of a shipped text (``kjv``, ``kjv+pydoc``
+    ...), or a UTF-8 file; only the prefix that holds them is tokenised (:func:`flowgeom.data.tokens.leading_ids`)."""
+    from flowgeom.data.text import check_text, load_text
+    from flowgeom.data.tokens import leading_ids
+
+    if tokenizer is None:
+        raise FlowgeomError(f"{source} has no tokenizer, so calibration text cannot be tokenised; copy the original "
+                            "model's tokenizer.json into it, or use --method svd (data-free)")
+    check_text(calib, "--calib")
+    text = load_text(calib, split="train")
+    if not text.strip():
+        raise FlowgeomError(f"--calib {calib} holds no text; pass a UTF-8 text of at least --calib-tokens tokens")
+    ids = leading_ids(text, tokenizer, tokens if isinstance(tokens, int) and tokens > 0 else len(text))
+    return sequences(ids, tokens, seq_len)
+
+
 def sequences(ids: torch.Tensor, n_tokens: int, seq_len: int) -> torch.Tensor:
     """The first ``n_tokens`` ids cut into (S, seq_len) rows; refused with the numbers when the text is short."""
     if not isinstance(n_tokens, int) or n_tokens < seq_len:
@@ -90,6 +107,16 @@ def sequences(ids: torch.Tensor, n_tokens: int, seq_len: int) -> torch.Tensor:
                             f"{n_tokens:,}; pass a longer --calib text or a smaller --calib-tokens")
     S = n_tokens // seq_len
     return ids[: S * seq_len].long().reshape(S, seq_len)
+
+
+def input_widths(state: Mapping[str, torch.Tensor]) -> dict[str, int]:
+    """Gram key -> width of that input in block 0 (the widest decides how many calibration tokens are needed)."""
+    out = {}
+    for key, roles in INPUT_GROUPS.items():
+        found = [state[weight_key(0, r)] for r in roles if weight_key(0, r) in state]
+        if found:
+            out[key] = int(found[0].shape[1])
+    return out
 
 
 def check_rank(widths: dict[str, int], tokens: int) -> None:
@@ -138,8 +165,6 @@ def calibrate(model, ids: torch.Tensor, *, groups: Sequence[Sequence[int]] | Non
     (sequential variant) may change those blocks' weights before their output is propagated. ``store``
     (:class:`~flowgeom.compress.store.GramFiles`): each group's Grams go there once the group is done, and the
     result reads them from it; default: all in memory."""
-    from flowgeom.compress.arch import runner as runner_of
-
     runner = runner_of(model)
     paths = runner.arch.input_paths()
     L = len(runner)
@@ -213,8 +238,6 @@ def calibration_key(state: dict[str, torch.Tensor], ids: torch.Tensor) -> str:
 
 
 def cache_dir() -> Path:
-    from flowgeom.compress.store import cache_root
-
     return cache_root() / "grams"
 
 
@@ -234,7 +257,6 @@ def save_meta(folder: Path, calib: Calibration, key: str) -> None:
 def load_calibration(folder: Path, key: str, n_layers: int) -> Calibration | None:
     """The calibration cached in ``folder`` when it is complete and was stored for ``key``, else None; its
     Grams are checked here (finite float64, every key, every block) and read again when used."""
-    from flowgeom.compress.store import TensorFiles
     from flowgeom.files import read_json_object
 
     try:
@@ -254,12 +276,9 @@ def cached_calibration(model, state: dict[str, torch.Tensor], ids: torch.Tensor,
                        progress: Callable[[int, int], None] | None = None) -> tuple[Calibration, bool]:
     """``(calibration, from_cache)`` of the non-sequential pass; when not cached, measured into a scratch folder
     that then becomes the cache entry."""
-    from flowgeom.compress.arch import runner
-    from flowgeom.compress.store import TensorFiles
-
     key = calibration_key(state, ids)
     folder = (cache or cache_dir()) / key[:32]
-    L = len(runner(model))
+    L = len(runner_of(model))
     found = load_calibration(folder, key, L) if (folder / META).is_file() else None
     if found is not None:
         return found, True
@@ -278,8 +297,6 @@ def cached_calibration(model, state: dict[str, torch.Tensor], ids: torch.Tensor,
 def logits_of(model, ids: torch.Tensor, *, root: bool = False, runner=None) -> torch.Tensor:
     """The model's logits (B, T, vocab) block by block, as :func:`calibrate` runs it. ``root``: the
     embeddings start an autograd graph, so every projection's output gets a gradient while no weight needs one."""
-    from flowgeom.compress.arch import runner as runner_of
-
     runner = runner or runner_of(model)
     h = runner.embed(ids)  # (B, T, d)
     if root:
@@ -314,8 +331,6 @@ def sensitivity(model, ids: torch.Tensor, probes: Mapping[tuple[int, str], tuple
     nothing), where a whole-model backward held every block's activations (~0.8 GB a sequence of 512 tokens
     on SmolLM2) and the logits of the batch (0.8 GB with their gradients at 2 x 512 tokens).
     """
-    from flowgeom.compress.arch import runner as runner_of
-
     runner = runner_of(model)
     S, T = ids.shape
     n_targets = S * (T - 1)

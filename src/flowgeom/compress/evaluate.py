@@ -91,7 +91,7 @@ def compare_models(specs: Sequence[str], *, text: str = "kjv", config: EvalConfi
     from flowgeom.compress.agreement import generation_health, greedy_continuations, prompts_from
     from flowgeom.compress.agreement import teacher_forced_agreement
     from flowgeom.compress.folder import is_factored, load_model, read_factored
-    from flowgeom.compress.run import source_path
+    from flowgeom.compress.source import source_path
     from flowgeom.data.text import is_named, load_text
     from flowgeom.data.tokens import load_tokenizer, token_ids
     from flowgeom.runs import atomic_write_json, check_out_file

@@ -46,7 +46,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flowgeom.compress.plan import HF_NAMES, Compressed, weight_key
+from flowgeom.compress.arch import HF_NAMES, arch_of, check_family, fused_weight, weight_key
+from flowgeom.compress.plan import Compressed
+from flowgeom.compress.source import build_model, is_native, load_dense, transformers_config
+from flowgeom.compress.write import write_model_files
 from flowgeom.errors import FlowgeomError
 from flowgeom.nn.llama import refuse_integer_codes
 
@@ -57,6 +60,33 @@ WEIGHTS_NAME = "flowgeom_factored.safetensors"  # not model.safetensors: plain t
 LEGACY_WEIGHTS = "model.safetensors"  # factored folders written before WEIGHTS_NAME; dense folders
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _FIX = "write the factored folder again with `flowgeom compress run`"
+# config.json: the keys that make transformers refuse the folder without flowgeom (flowgeom.compress.auto)
+FACTORED_TYPE = "flowgeom_factored: load it with flowgeom.compress.load"
+LEGACY_TYPE = "flowgeom_factored"  # folders written before the type said how to load them
+FACTORED_TYPES = (FACTORED_TYPE, LEGACY_TYPE)
+FACTORED_ARCH = "FlowgeomFactoredForCausalLM"
+BASE_KEY = "flowgeom_base_model_type"
+BASE_ARCH_KEY = "flowgeom_base_architectures"
+WEIGHTS_KEY = "transformers_weights"
+REFUSAL = "none: a flowgeom factored folder, load it with flowgeom.compress.load"
+
+
+def factored_config_json(config_json: dict) -> dict:
+    """The ``config.json`` object of a factored folder made from the dense model's (or an older factored
+    folder's) ``config_json``."""
+    base = base_config_json(config_json)
+    return {**base, "model_type": FACTORED_TYPE, "architectures": [FACTORED_ARCH], WEIGHTS_KEY: REFUSAL,
+            BASE_KEY: base.get("model_type", "llama"), BASE_ARCH_KEY: base.get("architectures") or ["LlamaForCausalLM"]}
+
+
+def base_config_json(config_json: dict) -> dict:
+    """The dense model's config object back from a factored folder's (any other is returned unchanged)."""
+    if config_json.get("model_type") not in FACTORED_TYPES:
+        return config_json
+    out = {k: v for k, v in config_json.items() if k not in (BASE_KEY, BASE_ARCH_KEY, WEIGHTS_KEY)}
+    out["model_type"] = config_json.get(BASE_KEY, "llama")
+    out["architectures"] = config_json.get(BASE_ARCH_KEY) or ["LlamaForCausalLM"]
+    return out
 
 
 class FactoredLinear(nn.Module):
@@ -139,10 +169,6 @@ def factored_tensors(compressed: Compressed, state: Mapping[str, torch.Tensor], 
 def save_factored(folder: Path, config_json: dict, compressed: Compressed, state: Mapping[str, torch.Tensor], *,
                   tokenizer=None, report: dict | None = None, dtype: torch.dtype = torch.float32) -> None:
     """Write the factored folder (module docstring) into ``folder``, tensors in ``dtype``."""
-    from flowgeom.compress.write import write_model_files
-
-    from flowgeom.compress.auto import factored_config_json
-
     tensors, meta = factored_tensors(compressed, state, tie=bool(config_json.get("tie_word_embeddings")),
                                      dtype=dtype)
     write_model_files(folder, tensors, factored_config_json(config_json), tokenizer=tokenizer, report=report,
@@ -207,8 +233,6 @@ def _units(folder: Path, meta: object, n_layers: int) -> list[FactoredUnit]:
 
 def folder_config(config_json: dict):
     """flowgeom's LlamaConfig for a Llama, else the family's transformers config (unsupported: refused)."""
-    from flowgeom.compress.arch import check_family
-    from flowgeom.compress.source import transformers_config
     from flowgeom.nn.llama import LlamaConfig
 
     mt = config_json.get("model_type", "llama")
@@ -221,7 +245,6 @@ def folder_config(config_json: dict):
 def read_factored(folder: str | Path) -> tuple[object, list[FactoredUnit], dict[str, torch.Tensor]]:
     """``(config, units, tensors)`` of a factored folder, every tensor checked against the JSON; the config is
     flowgeom's LlamaConfig for a Llama, else the family's transformers config."""
-    from flowgeom.compress.auto import base_config_json
     from flowgeom.files import read_regular, regular_file
     from flowgeom.io.checkpoints import parse_json
     from flowgeom.io.sources import open_source
@@ -326,8 +349,6 @@ def _install(model: nn.Module, arch, units: Sequence[FactoredUnit], tensors: Map
 def _rest(arch, tensors: Mapping[str, torch.Tensor], used: set[str], replaced: set[str], n_layers: int
           ) -> dict[str, torch.Tensor]:
     """The tensors not held by replaced modules, role weights of intact modules back in the family's layout."""
-    from flowgeom.compress.arch import fused_weight
-
     rest = {k: v for k, v in tensors.items() if k not in used}
     if arch.identity:
         return rest
@@ -361,8 +382,6 @@ def _fill(model: nn.Module, folder: Path, rest: Mapping[str, torch.Tensor], repl
 
 def factored_llama(folder: str | Path, *, dtype: torch.dtype = torch.float32):
     """flowgeom's :class:`~flowgeom.nn.llama.LlamaForCausalLM` with factored projections, in eval mode."""
-    from flowgeom.compress.arch import arch_of
-    from flowgeom.compress.source import is_native
     from flowgeom.nn.llama import LlamaForCausalLM
 
     cfg, units, tensors = read_factored(folder)
@@ -387,9 +406,6 @@ def factored_hf(folder: str | Path, *, dtype: torch.dtype = torch.float32):
         import transformers
     except ImportError:
         raise FlowgeomError("loading into transformers needs the hf extra: pip install 'flowgeom[hf]'") from None
-    from flowgeom.compress.arch import arch_of
-    from flowgeom.compress.source import is_native, transformers_config
-
     cfg, units, tensors = read_factored(folder)
     if is_native(cfg):
         cfg = transformers_config({**cfg.to_hf(), "model_type": "llama"})
@@ -418,9 +434,6 @@ def _refuse_save_pretrained(model, *args, **kwargs):
 def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32):
     """The runnable model of a factored folder (flowgeom's Llama for a Llama, else the family's transformers
     model with factored modules) or of any dense source :func:`flowgeom.compress.source.load_dense` reads."""
-    from flowgeom.compress.auto import FACTORED_TYPES, LEGACY_TYPE, base_config_json
-    from flowgeom.compress.source import build_model, load_dense
-
     if is_factored(path):
         from flowgeom.files import read_json_object
 

@@ -80,7 +80,7 @@ class HealConfig:
     weight_decay: float = 0.0  # AdamW's decoupled weight decay
     temperature: float = 0.0  # langevin: the SDE's temperature s (0: regularised gradient descent)
     reg_lam: float = 1e-6  # langevin: λ of the log regulariser on every trainable matrix
-    # the defaults below won at equal tokens on SmolLM2 at 20% (docs/continuity-sharing.md, "Healing")
+    # the defaults below won at equal tokens on SmolLM2 at 20% (docs/compression.md, "Healing")
     norms: bool = True  # also train the RMSNorm gains
     train_dense: bool = True  # also train the projections the allocation left dense (factored folders)
     on_policy: float = 0.0  # fraction of each batch continued by the student's own samples (GKD-style)
@@ -294,7 +294,7 @@ class Student:
     extra: dict[str, dict] = field(default_factory=dict)
 
 
-def _share_report(folder: Path) -> dict[str, Any]:
+def _compression_report(folder: Path) -> dict[str, Any]:
     from flowgeom.files import read_json_object
 
     path = folder / "flowgeom_share.json"
@@ -313,7 +313,7 @@ def load_student(folder: str | Path, *, norms: bool = False, train_dense: bool =
     from flowgeom.nn.llama import load_llama
 
     folder = Path(folder)
-    report = _share_report(folder)
+    report = _compression_report(folder)
     config_json = read_json_object(folder / "config.json", fix="write the folder again")
     if is_factored(folder):
         _, units, tensors = read_factored(folder)
@@ -545,13 +545,12 @@ def heal_folder(folder: str | Path, out: str | Path, config: HealConfig, *, forc
     """Heal the compressed ``folder`` into the folder ``out`` (module docstring); returns the heal report.
 
     The run's state lives in ``<out>.heal/`` (checkpoint, ``heal.jsonl``) until the healed folder is written
-    (then it is removed; a diverged run keeps it); ``heal.jsonl``, ``heal.json`` and ``heal.png`` go into ``out``. ``in_place`` allows ``out == folder`` (``share
-    --heal``: the folder is read whole before it is replaced).
+    (then it is removed; a diverged run keeps it); ``heal.jsonl``, ``heal.json`` and ``heal.png`` go into ``out``. ``in_place`` allows ``out == folder`` (``compress
+    run --heal``: the folder is read whole before it is replaced).
     """
-    from flowgeom.compress.auto import factored_config_json
-    from flowgeom.compress.folder import JSON_NAME, WEIGHTS_NAME
+    from flowgeom.compress.folder import JSON_NAME, WEIGHTS_NAME, factored_config_json
     from flowgeom.compress.folder import load_model as load_any
-    from flowgeom.compress.run import source_path
+    from flowgeom.compress.source import source_path
     from flowgeom.compress.write import check_out_folder, save_llama_folder, write_folder, write_model_files
     from flowgeom.data.tokens import load_tokenizer
     from flowgeom.files import out_folder
@@ -559,7 +558,7 @@ def heal_folder(folder: str | Path, out: str | Path, config: HealConfig, *, forc
 
     t0 = time.perf_counter()
     folder, out = Path(folder), Path(out)
-    report = _share_report(folder)  # not compressed: refused before anything else
+    report = _compression_report(folder)  # not compressed: refused before anything else
     if not (in_place and out.resolve() == folder.resolve()):
         check_out_folder(folder, out, force=force)
     work = out.parent / f"{out.name}.heal"

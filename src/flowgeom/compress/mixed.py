@@ -25,7 +25,7 @@ residual stream least, which is what keeps that approximation close.
 
 The folder is a factored folder of the shortened model (the kept blocks
 renumbered), so ``compress evaluate`` and the loaders read it as any
-other.
+other. Llama only, as block dropping is.
 """
 
 from __future__ import annotations
@@ -42,8 +42,12 @@ import torch.nn.functional as F
 
 from flowgeom.compress import factorize as fz
 from flowgeom.compress import plan as C
+from flowgeom.compress.allocate import allocate
 from flowgeom.compress.blocks import angular_drop, block_params, drop_count, drop_layers
+from flowgeom.compress.calibrate import GRAD_TOKENS, cached_calibration, calibrate, calibration_ids, logits_of
+from flowgeom.compress.calibrate import sensitivity
 from flowgeom.errors import FlowgeomError
+from flowgeom.nn.llama import llama_from_state
 
 METHOD = "mixed"
 EVAL_SEQUENCES = 4  # calibration sequences (from the end of the calibration ids) that judge each n
@@ -52,8 +56,6 @@ EVAL_SEQUENCES = 4  # calibration sequences (from the end of the calibration ids
 @torch.inference_mode()
 def calibration_loss(model, ids: torch.Tensor, *, batch: int = 2) -> float:
     """Mean next-token NLL of ``model`` on ``ids`` (S, T)."""
-    from flowgeom.compress.calibrate import logits_of
-
     total, count = 0.0, 0
     for i in range(0, len(ids), batch):
         x = ids[i:i + batch]
@@ -87,8 +89,6 @@ def mixed_plans(cfg, state: Mapping[str, torch.Tensor], calib, *, budget: float,
                 sens: Mapping | None = None, progress=None) -> tuple[Any, dict[str, torch.Tensor], C.Compressed, dict[str, Any]]:
     """``(config, state, compressed, facts)`` of the best split (module docstring): the shortened model's
     config and state (kept blocks renumbered, projections dense) and its factors."""
-    from flowgeom.nn.llama import llama_from_state
-
     L = cfg.num_hidden_layers
     base = C.plan("whiten", state, n_layers=L, ratio=budget, roles=roles)
     scope = base.dense_params
@@ -99,8 +99,6 @@ def mixed_plans(cfg, state: Mapping[str, torch.Tensor], calib, *, budget: float,
     units = base.units
     cands = None
     if allocation == "loss" and sens is None:
-        from flowgeom.compress.calibrate import sensitivity
-
         sens, _ = sensitivity(model, grad_ids, C.probes(units, factors),
                               progress=(lambda d, t: progress("gradients", d, t)) if progress else None)
     if allocation == "loss":
@@ -113,8 +111,6 @@ def mixed_plans(cfg, state: Mapping[str, torch.Tensor], calib, *, budget: float,
         if rest <= 0:
             ranks = [None] * len(keep)
         elif allocation == "loss":
-            from flowgeom.compress.allocate import allocate
-
             ranks = allocate([cands[i] for i in keep], rest, C.LOSS_RULE)
         else:
             ranks = even_ranks([units[i] for i in keep], rest)
@@ -142,16 +138,10 @@ def mixed_plans(cfg, state: Mapping[str, torch.Tensor], calib, *, budget: float,
     return new_cfg, new_state, compressed, facts
 
 
-def share_mixed(source, out: Path, config, cfg, state, path: Path, tokenizer, *, force: bool, progress,
-                t0: float):
-    """``share_model`` for ``--method mixed``: calibrate, choose n, write the factored folder of the shortened
-    model with a report whose savings count the dropped blocks too."""
-    from flowgeom.compress.calibrate import GRAD_TOKENS, cached_calibration
-    from flowgeom.compress.folder import save_factored
-    from flowgeom.compress.run import STORAGE, Shared, build_report, calibration_ids
-    from flowgeom.compress.write import save_llama_folder, write_folder
-    from flowgeom.nn.llama import llama_from_state
-
+def compress_mixed(config, cfg, state: Mapping[str, torch.Tensor], path: Path, tokenizer, *, progress=None
+                   ) -> tuple[Any, dict[str, torch.Tensor], C.Compressed, dict[str, Any]]:
+    """``--method mixed`` (module docstring): calibrate, choose n; ``(config, state, compressed, facts)`` of the
+    shortened model, ``facts`` counting the dropped blocks among the savings."""
     ids = calibration_ids(path, config.calib, config.calib_tokens, config.seq_len, tokenizer)
     if len(ids) < 2:
         raise FlowgeomError(f"--method mixed judges each split on calibration sequences the rest did not use: pass "
@@ -161,8 +151,6 @@ def share_mixed(source, out: Path, config, cfg, state, path: Path, tokenizer, *,
     t1 = time.perf_counter()
     calib, hit = cached_calibration(model, state, ids, progress=step) if config.cache else (None, False)
     if calib is None:
-        from flowgeom.compress.calibrate import calibrate
-
         calib = calibrate(model, ids, progress=step)
     calib_seconds = time.perf_counter() - t1
     held = min(EVAL_SEQUENCES, len(ids) // 2)
@@ -170,22 +158,6 @@ def share_mixed(source, out: Path, config, cfg, state, path: Path, tokenizer, *,
     new_cfg, new_state, compressed, facts = mixed_plans(
         cfg, state, calib, budget=config.budget, roles=config.roles, allocation=config.allocation, model=model,
         grad_ids=grad_ids, eval_ids=eval_ids, progress=progress)
-    del model
     facts |= {"calib": config.calib, "calib_tokens": int(ids.numel()), "calib_cached": hit,
               "calib_seconds": calib_seconds, "eval_tokens": int(eval_ids.numel())}
-    report = build_report(source, out, config, new_cfg, new_state, compressed, facts)
-    total = sum(t.numel() for k, t in state.items() if k != "lm_head.weight" or not cfg.tie_word_embeddings)
-    saved = facts["mixed_saved_params"]
-    report |= {"scope_params": facts["scope_params"], "scope_saved_params": saved,
-               "scope_saved_fraction": saved / facts["scope_params"], "model_params": total, "saved_params": saved,
-               "saved_fraction": saved / total, "params_after": total - saved}
-    report["tokenizer"] = None if tokenizer is None else "tokenizer.json"
-    if compressed.plan.units:
-        write_folder(out, lambda tmp: save_factored(tmp, new_cfg.to_hf(), compressed, new_state, tokenizer=tokenizer,
-                                                    report=report, dtype=STORAGE[config.dtype]), force=force)
-    else:  # the best split dropped blocks only: a plain, shorter Llama
-        report["format"] = "dense"
-        write_folder(out, lambda tmp: save_llama_folder(tmp, new_cfg.to_hf(), new_state, tokenizer=tokenizer,
-                                                        report=report), force=force)
-    report["seconds"] = time.perf_counter() - t0
-    return Shared(compressed, report, state)
+    return new_cfg, new_state, compressed, facts

@@ -1,4 +1,4 @@
-"""Perplexity of a Llama checkpoint on held-out text (the yardstick for ``compress run``).
+"""Perplexity of a causal LM (any family ``compress run`` reads) on held-out text, its yardstick.
 
 **Text.** The held-out split is ``flowgeom.data.text.load_text("kjv", split="test")``:
 the last 5% of the King James verses (1,556 verses, Colossians 4:5 to

@@ -1,8 +1,11 @@
-"""Compress a Llama's projections: plans (space, grouping, rank per unit) and their factorisation.
+"""Compress a model's projections: plans (space, grouping, rank per unit) and their factorisation.
 
-A *unit* is one role (q, k, v, o, gate, up, down) over a group of consecutive
-layers, stored as one basis and one coefficient matrix per layer
-(:class:`~flowgeom.compress.factorize.Factors`). A method decides the units
+Seed 001's design implication: adjacent layers share singular directions, so
+a group of g adjacent layers can share one rank-r basis in the space where the
+role is continuous (:data:`SEED_SPACE`; Q, K, Gate, Up: input space; O, Down:
+output space). A *unit* is one role (q, k, v, o, gate, up, down) over a
+group of consecutive layers, stored as one basis and one coefficient matrix
+per layer (:class:`~flowgeom.compress.factorize.Factors`). A method decides the units
 and their ranks (:func:`plan`); :func:`compress` factorises them with the
 calibration Grams, optionally sequentially (each group re-calibrated on the
 already-compressed earlier blocks) and with Basis Sharing's least-squares refit.
@@ -38,19 +41,34 @@ from typing import Any
 
 import torch
 
+from flowgeom.compress import allocate as A
 from flowgeom.compress import factorize as fz
-from flowgeom.compress.calibrate import ROLE_GRAM, Calibration
-from flowgeom.compress.blocks import HF_NAMES, ROLES, SEED_SPACE, layer_groups
+from flowgeom.compress.arch import ROLE_GRAM, ROLES, arch_of, role_shapes, role_state, set_role_weight, weight_key
+from flowgeom.compress.calibrate import Calibration, calibrate, sensitivity
+from flowgeom.compress.store import FactorFiles, GramFiles, TensorFiles
 from flowgeom.errors import FlowgeomError, choice_error
 from flowgeom.memory import trim_heap
 
 METHODS = ("svd", "whiten", "basis-sharing", "share", "continuity")
-BS_SHARED = ("q", "k", "v", "gate", "up")
-PAIR_THRESHOLD = 3.0  # a pair is a sharing candidate when its subspace alignment is 3x chance (the analyzer's rule)  # Basis Sharing's default: these share, o and down stay per layer
+BS_SHARED = ("q", "k", "v", "gate", "up")  # Basis Sharing's default: these share, o and down stay per layer
+PAIR_THRESHOLD = 3.0  # a pair is a sharing candidate when its subspace alignment is 3x chance (the analyzer's rule)
+# Where seed 001 says each role is continuous (V: no clear opportunity, so no entry).
+SEED_SPACE = {"q": "input", "k": "input", "gate": "input", "up": "input", "o": "output", "down": "output"}
 
 
-def weight_key(layer: int, role: str) -> str:
-    return f"model.layers.{layer}.{HF_NAMES[role]}.weight"
+def opposite(space: str) -> str:
+    """``input`` <-> ``output`` (strategy (b) of the sharing experiment)."""
+    if space not in fz.SPACES:
+        raise choice_error("space", space, fz.SPACES)
+    return fz.SPACES[1 - fz.SPACES.index(space)]
+
+
+def layer_groups(n_layers: int, group: int) -> list[list[int]]:
+    """``[[0..g-1], [g..2g-1], ...]``; the last group holds the remainder (a single layer shares nothing)."""
+    if not 1 <= group <= n_layers:
+        raise FlowgeomError(f"--group {group} is outside 1..{n_layers}, the number of layers of the model; "
+                            "pass a smaller --group")
+    return [list(range(s, min(s + group, n_layers))) for s in range(0, n_layers, group)]
 
 
 @dataclass(frozen=True)
@@ -133,23 +151,6 @@ class Compressed:
 
 # ---------------------------------------------------------------- plans
 
-def _shapes(state: Mapping[str, torch.Tensor], roles: Sequence[str], n_layers: int) -> dict[str, tuple[int, int]]:
-    shapes = {}
-    for role in roles:
-        if role not in HF_NAMES:
-            raise choice_error("role", role, ROLES)
-        seen = {tuple(state[weight_key(l, role)].shape) for l in range(n_layers) if weight_key(l, role) in state}
-        missing = [l for l in range(n_layers) if weight_key(l, role) not in state]
-        if missing:
-            raise FlowgeomError(f"role {role} ({HF_NAMES[role]}) is missing in layer(s) {missing[:5]}; pass roles "
-                                f"the model has")
-        if len(seen) != 1:
-            raise FlowgeomError(f"role {role} has different shapes across layers ({sorted(seen)}); every layer of "
-                                "a role must have the same shape to share bases")
-        shapes[role] = seen.pop()
-    return shapes
-
-
 def _fixed_units(role: str, space: str, shape: tuple[int, int], groups: Sequence[Sequence[int]],
                  ratio: float) -> list[Unit]:
     units = []
@@ -175,7 +176,7 @@ def plan(method: str, state: Mapping[str, torch.Tensor], *, n_layers: int, ratio
         raise choice_error("method", method, METHODS)
     if not 0.0 < ratio < 1.0:
         raise FlowgeomError(f"budget {ratio!r} must be a fraction in (0, 1); e.g. 0.2 saves 20% of the projections")
-    shapes = _shapes(state, roles, n_layers)
+    shapes = role_shapes(state, roles, n_layers)
     singles = [[l] for l in range(n_layers)]
     units: list[Unit] = []
     if method in ("svd", "whiten"):
@@ -199,6 +200,19 @@ def plan(method: str, state: Mapping[str, torch.Tensor], *, n_layers: int, ratio
             raise FlowgeomError("the continuity method needs calibration Grams and the analyzer's measurements")
         return _continuity_plan(state, shapes, n_layers, ratio, calib, continuity)
     return Plan(method, ratio, tuple(units))
+
+
+def resolve_spaces(space: str | None, roles: Sequence[str], evidence: Mapping[str, Mapping] | None
+                   ) -> dict[str, str]:
+    """Role -> input/output/none for method ``share``: seed (V per layer), opposite, one space, or auto."""
+    space = space or "seed"
+    if space == "seed":
+        return {r: SEED_SPACE.get(r, "none") for r in roles}
+    if space == "opposite":
+        return {r: opposite(SEED_SPACE[r]) if r in SEED_SPACE else "none" for r in roles}
+    if space == "auto":
+        return {r: evidence[r]["space"] for r in roles}
+    return {r: space for r in roles}
 
 
 def _spectrum(mats: torch.Tensor, grams: torch.Tensor, space: str) -> torch.Tensor:
@@ -337,10 +351,6 @@ def compress_sequential(plan_: Plan, model, ids: torch.Tensor, *, refit: bool = 
     blocks before it (SVD-LLM's and Basis Sharing's sequential calibration). ``model`` (any family of
     :mod:`flowgeom.compress.arch`) is modified in place: its projections become the dense reconstructions.
     ``state``: its role weights before that (default: copied from ``model``); the Grams wait on disk."""
-    from flowgeom.compress.arch import arch_of, role_state, set_role_weight
-    from flowgeom.compress.calibrate import calibrate
-    from flowgeom.compress.store import GramFiles, TensorFiles
-
     arch = arch_of(model.config)
     n_layers = len(model.get_submodule(arch.layers))
     if state is None:
@@ -450,13 +460,11 @@ def candidates(units: Sequence[Unit], sens: Mapping[tuple[int, str], tuple[torch
                score: str = LOSS_SCORE, flops: float = 1.0) -> list:
     """One :class:`~flowgeom.compress.allocate.Candidate` per unit: its layers' estimates summed; ranks capped
     by :func:`speed_cap` when ``flops`` < 1."""
-    from flowgeom.compress.allocate import Candidate, component_cost
-
     out = []
     for u in units:
         first = sum(sens[(l, u.role)][0] for l in u.layers)
         fisher = sum(sens[(l, u.role)][1] for l in u.layers)
-        out.append(Candidate(component_cost(first, fisher, score), fz.stored_per_rank(*u.shape, len(u.layers), u.space),
+        out.append(A.Candidate(A.component_cost(first, fisher, score), fz.stored_per_rank(*u.shape, len(u.layers), u.space),
                              u.dense_params, None if flops >= 1.0 else speed_cap(u.shape, flops)))
     return out
 
@@ -474,19 +482,14 @@ def allocate_by_loss(plan_: Plan, state: Mapping[str, torch.Tensor], calib: Cali
                      flops: float = 1.0) -> tuple[Plan, dict]:
     """``plan_``'s units (same spaces and groups) with ranks chosen by the loss each component costs
     (:mod:`flowgeom.compress.allocate`), at the savings ``plan_.ratio`` asks of the same scope. ``model()``
-    builds a flowgeom Llama with ``state``'s weights, whose calibration gradients on ``ids`` score the
+    builds the model of ``state``'s weights (any family), whose calibration gradients on ``ids`` score the
     components; ``cache`` keeps the estimates per unit layout (a sweep measures them once); ``flops`` < 1
     caps every unit's rank at :func:`speed_cap` (units that would save less are kept dense)."""
-    from flowgeom.compress import allocate as A
-    from flowgeom.compress.calibrate import sensitivity
-
     units = plan_.units + plan_.dense
     key = tuple((u.role, u.space, u.layers) for u in units)
     if cache is not None and key in cache:
         sens, loss = cache[key]
     else:
-        from flowgeom.compress.store import FactorFiles, TensorFiles
-
         factors = full_factors(plan_, state, calib, out=FactorFiles(TensorFiles.temporary()))  # on disk
         sens, loss = sensitivity(model(), ids, probes(units, factors), progress=progress)
         if cache is not None:

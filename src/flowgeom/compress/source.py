@@ -19,7 +19,42 @@ from typing import Any
 import torch
 from torch import nn
 
+from flowgeom.compress.arch import CAUSAL_FAMILIES, arch_of, check_family, family_state, role_state
 from flowgeom.errors import FlowgeomError
+
+
+def source_path(spec: str) -> Path:
+    """The path of a source (``builtin:`` names resolved); a missing one refused with what is accepted."""
+    if spec.startswith("builtin:"):
+        from flowgeom.io.builtin import builtin_path
+
+        return builtin_path(spec)
+    path = Path(spec)
+    if not path.exists():
+        raise FlowgeomError(f"source {spec} does not exist; pass a Llama .gguf, builtin:smollm2 or an HF folder "
+                            f"(config.json + safetensors) of one of: {', '.join(CAUSAL_FAMILIES)}")
+    return path
+
+
+def model_tokenizer(path: Path):
+    """The source's tokenizer, or None for an HF folder saved without one (compressing with --method svd needs
+    none)."""
+    from flowgeom.data.tokens import load_tokenizer
+
+    untokenized = path.is_dir() and not (path / "tokenizer.json").exists() and not any(path.glob("*.gguf"))
+    return None if untokenized else load_tokenizer(path)
+
+
+def check_vocab(tokenizer, cfg, source) -> None:
+    """Refuse a tokenizer with more tokens than the model has embedding rows (``vocab_size``): its ids past the
+    last row index nothing (a raw IndexError deep in the first forward pass otherwise)."""
+    if tokenizer is None:
+        return
+    tokens, rows = tokenizer.get_vocab_size(), int(cfg.vocab_size)
+    if tokens > rows:
+        raise FlowgeomError(f"{source}: its tokenizer has {tokens:,} tokens but the model has {rows:,} token "
+                            f"embeddings (vocab_size {rows:,}), so ids {rows:,} and above index nothing; put the "
+                            "model's own tokenizer.json beside its weights")
 
 
 def is_native(cfg: Any) -> bool:
@@ -53,7 +88,6 @@ def transformers_config(config_json: dict):
 
 def load_dense(spec: str | Path) -> tuple[Any, dict[str, torch.Tensor]]:
     """``(config, role state)`` of a dense source of any supported family (module docstring)."""
-    from flowgeom.compress.arch import arch_of, check_family, role_state
     from flowgeom.nn.llama import check_state, llama_state_dict
 
     path = Path(spec) if not str(spec).startswith("builtin:") else None
@@ -115,8 +149,6 @@ def build_model(cfg: Any, state: dict[str, torch.Tensor], *, dtype: torch.dtype 
         return llama_from_state(cfg, state, dtype=dtype)
     import transformers
 
-    from flowgeom.compress.arch import arch_of, family_state
-
     tensors = family_state(arch_of(cfg), state, cfg.num_hidden_layers)
     with torch.random.fork_rng(devices=[]):  # the random init is overwritten; leave the global RNG alone
         model = transformers.AutoModelForCausalLM.from_config(cfg)
@@ -164,7 +196,3 @@ def family_json(cfg: Any) -> dict:
 
         out["architectures"] = [transformers.AutoModelForCausalLM._model_mapping[type(cfg)].__name__]
     return out
-
-
-def n_layers(cfg: Any) -> int:
-    return int(cfg.num_hidden_layers)

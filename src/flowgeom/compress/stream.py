@@ -1,6 +1,7 @@
 """``compress run --stream``: compress a Llama larger than memory, one decoder block at a time.
 
-:func:`~flowgeom.compress.run.share_model` holds the whole model in float32
+Llama only: the blocks are built as flowgeom's own :class:`~flowgeom.nn.llama.DecoderLayer`.
+:func:`~flowgeom.compress.run.run_compression` holds the whole model in float32
 (and a second copy while it builds the module). Streaming holds one block:
 
 1. the source is an HF folder of sharded safetensors (an index and its
@@ -33,7 +34,7 @@ float64 Grams, plus the float64 work of whitening the widest projection
 input (down_proj's: four (n, n) float64 matrices, 1 GB at n = 5,632), plus
 two copies of the calibration states (S T d floats). Measured: a peak RSS
 of 1.68 GB, 0.61x the float32 size of a 2.75 GB Llama, ~0.87 GB of it the
-whitening of one down_proj (docs/continuity-sharing.md). Not streamed:
+whitening of one down_proj (docs/compression.md). Not streamed:
 ``--allocate loss`` (its gradients flow through the whole model), methods
 whose units span blocks (basis-sharing, share, continuity), block dropping
 and ``mixed`` (scores over all blocks), ``--dense``, ``--refit``. The Gram
@@ -55,10 +56,13 @@ import torch
 import torch.nn.functional as F
 
 from flowgeom.compress import plan as C
-from flowgeom.compress.blocks import HF_NAMES
-from flowgeom.compress.calibrate import GRAM_KEYS, ROLE_GRAM, check_rank, gram_hooks
+from flowgeom.compress.arch import HF_NAMES, ROLE_GRAM
+from flowgeom.compress.calibrate import GRAM_KEYS, calibration_ids, check_rank, gram_hooks
 from flowgeom.compress.folder import FORMAT, JSON_NAME, VERSION, WEIGHTS_NAME, basis_name, coeff_name
-from flowgeom.compress.run import STORAGE, Progress, ShareConfig, calibration_ids, check_vocab, model_tokenizer
+from flowgeom.compress.folder import factored_config_json
+from flowgeom.compress.run import STORAGE, CompressionConfig, Progress, renamed, role_table
+from flowgeom.compress.source import check_vocab, model_tokenizer, source_path
+from flowgeom.compress.write import check_out_folder, stream_safetensors, write_folder, write_model_files
 from flowgeom.errors import FlowgeomError
 from flowgeom.memory import trim_heap
 
@@ -68,11 +72,15 @@ INPUTS = {key: path for key, (path, _) in GRAM_KEYS.items()}  # Gram key -> the 
 _RESHARD = "model.save_pretrained(DIR, max_shard_size=\"500MB\")"
 
 
+def __getattr__(name: str):
+    raise renamed(__name__, name, {"stream_share": "stream_compression"})
+
+
 # ---------------------------------------------------------------- when and what to stream
 
 def float32_bytes(source: str) -> int | None:
-    """Bytes the source's tensors take in float32 (what :func:`share_model` holds), from its headers only;
-    None when the source cannot be read (the compression itself then reports why)."""
+    """Bytes the source's tensors take in float32 (what :func:`~flowgeom.compress.run.run_compression`
+    holds), from its headers only; None when the source cannot be read (the compression itself then reports why)."""
     from flowgeom.io import local_path, open_source
 
     try:
@@ -110,7 +118,7 @@ def stream_by_default(source: str, *, asked: bool, heal: bool = False) -> bool:
     return stream
 
 
-def check_streamable(config: ShareConfig) -> None:
+def check_streamable(config: CompressionConfig) -> None:
     """Refuse what cannot be computed one block at a time, with why and what to use instead."""
     if config.method not in STREAM_METHODS:
         raise FlowgeomError(f"--stream supports --method {' and '.join(STREAM_METHODS)} (one unit per layer); "
@@ -128,8 +136,6 @@ def check_streamable(config: ShareConfig) -> None:
 
 def sharded_folder(source: str) -> Path:
     """The HF folder of sharded safetensors ``source`` names; anything else refused with the conversion."""
-    from flowgeom.compress.run import source_path
-
     if source.startswith("builtin:") or source.endswith(".gguf"):
         raise FlowgeomError(f"--stream reads an HF folder of sharded safetensors; {source} is a GGUF: convert it "
                             "with transformers, AutoModelForCausalLM.from_pretrained(DIR, gguf_file=NAME, "
@@ -243,13 +249,12 @@ def _stored_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
 
 def _save(path: Path, tensors: Mapping[str, torch.Tensor]) -> Path:
     """A temporary safetensors file (one unit's factors, or the rest of a block) in the output's temporary folder."""
-    from flowgeom.compress.write import stream_safetensors
     from flowgeom.files import atomic_write
 
     return atomic_write(path, lambda fh: stream_safetensors(fh, dict(tensors)), root=path.parent)
 
 
-def _stream_blocks(tmp: Path, src, cfg, plan_: C.Plan, ids: torch.Tensor | None, config: ShareConfig,
+def _stream_blocks(tmp: Path, src, cfg, plan_: C.Plan, ids: torch.Tensor | None, config: CompressionConfig,
                    progress: Progress | None) -> tuple[list[Path], dict, list[str], float]:
     """Write every block's stored tensors to temporary files in ``tmp`` (one per unit, one for the rest of the
     block); returns the files, the rel. errors by (layer, role), the notes and the seconds spent running
@@ -344,21 +349,7 @@ def _final_tensors(src, cfg, files: list[Path], dtype: torch.dtype) -> dict[str,
 
 # ---------------------------------------------------------------- the report
 
-def _roles(plan_: C.Plan, errors: Mapping[tuple[int, str], float]) -> dict[str, dict]:
-    """The report's per-role table, keyed as :func:`~flowgeom.compress.run.role_report` keys it."""
-    out = plan_.by_role()
-    for unit in plan_.units:
-        out[unit.role].setdefault("rel_error", []).extend(errors[(l, unit.role)] for l in unit.layers)
-    for r in out.values():
-        r["dense_params"], r["stored_params"] = r.pop("dense"), r.pop("stored")
-        r["saved_params"] = r["dense_params"] - r["stored_params"]
-        r["rel_error_mean"] = sum(r["rel_error"]) / len(r["rel_error"])
-        r["rank"] = r["ranks"][0] if len(set(r["ranks"])) == 1 else None
-        r["rank_range"] = [min(r["ranks"]), max(r["ranks"])]
-    return out
-
-
-def _report(source: str, out: Path, config: ShareConfig, cfg, shapes, plan_: C.Plan, errors, facts) -> dict:
+def _report(source: str, out: Path, config: CompressionConfig, cfg, shapes, plan_: C.Plan, errors, facts) -> dict:
     total = sum(math.prod(s) for k, s in shapes.items() if k != "lm_head.weight" or not cfg.tie_word_embeddings)
     saved = plan_.dense_params - plan_.stored_params
     return {
@@ -366,7 +357,7 @@ def _report(source: str, out: Path, config: ShareConfig, cfg, shapes, plan_: C.P
         "rank": config.rank, "group": config.group, "space": config.space, "sequential": config.sequential,
         "refit": False, "format": "factored", "dtype": config.dtype, "stream": True,
         "scope_params": plan_.dense_params, "scope_saved_params": saved,
-        "scope_saved_fraction": saved / plan_.dense_params, "roles": _roles(plan_, errors), "model_params": total,
+        "scope_saved_fraction": saved / plan_.dense_params, "roles": role_table(plan_, errors), "model_params": total,
         "saved_params": saved, "saved_fraction": saved / total, "params_after": total - saved,
         **{k: v for k, v in facts.items() if k != "notes"}, "notes": list(facts["notes"]),
     }
@@ -374,12 +365,10 @@ def _report(source: str, out: Path, config: ShareConfig, cfg, shapes, plan_: C.P
 
 # ---------------------------------------------------------------- the library call
 
-def stream_share(source: str, out: Path, config: ShareConfig, *, force: bool = False,
-                 progress: Progress | None = None) -> dict[str, Any]:
+def stream_compression(source: str, out: Path, config: CompressionConfig, *, force: bool = False,
+                       progress: Progress | None = None) -> dict[str, Any]:
     """Compress ``source`` (an HF folder of sharded safetensors) into the factored folder ``out`` one block
     at a time (module docstring); returns the report written beside it as ``flowgeom_share.json``."""
-    from flowgeom.compress.auto import factored_config_json
-    from flowgeom.compress.write import check_out_folder, write_folder, write_model_files
     from flowgeom.files import read_json_object
     from flowgeom.io import open_source
     from flowgeom.nn.llama import LlamaConfig, check_state

@@ -2,7 +2,7 @@
 point per budget, and the largest budget a user can trust.
 
 One calibration serves every budget. Each point compresses the model with
-the method and options of :class:`~flowgeom.compress.run.ShareConfig`,
+the method and options of :class:`~flowgeom.compress.run.CompressionConfig`,
 builds the factored model in memory and scores the first ``eval_tokens``
 tokens of the held-out KJV split (context 512,
 :func:`flowgeom.compress.perplexity.perplexity`); with ``judge``, it is also
@@ -27,9 +27,10 @@ from typing import Any
 import torch
 
 from flowgeom.compress.agreement import GenerationConfig
-from flowgeom.compress.run import (
-    DROP_METHODS, Progress, ShareConfig, check_weights, compress_model, drop_blocks, model_tokenizer, source_path,
-)
+from flowgeom.compress.blocks import drop_blocks
+from flowgeom.compress.run import DROP_METHODS, CompressionConfig, Progress, check_weights, compress_model, for_family
+from flowgeom.compress.run import run_compression
+from flowgeom.compress.source import build_model, load_dense, model_tokenizer, source_path
 from flowgeom.errors import FlowgeomError
 
 
@@ -46,13 +47,11 @@ def point_folder(out: Path, budget: float) -> Path:
     return out.parent / f"{out.name}-b{budget:g}"
 
 
-def sweep_budgets(source: str, out: Path, config: ShareConfig, budgets: Sequence[float], *, force: bool = False,
+def sweep_budgets(source: str, out: Path, config: CompressionConfig, budgets: Sequence[float], *, force: bool = False,
                   eval_tokens: int = 4096, context: int = 512, progress: Progress | None = None,
                   judge: GenerationConfig | None = GenerationConfig(), heal=None) -> dict[str, Any]:
     from flowgeom.compress.write import check_out_folder, write_folder
     from flowgeom.compress.perplexity import EvalConfig, perplexity
-    from flowgeom.compress.run import for_family
-    from flowgeom.compress.source import build_model, load_dense
     from flowgeom.runs import atomic_write_json
 
     budgets = sorted(set(budgets))
@@ -139,13 +138,12 @@ def _judge(dense, tokenizer, generation: GenerationConfig, tokens: int, context:
                                                  max_tokens=None), generation)
 
 
-def _healed_point(source: str, folder: Path, point: ShareConfig, heal, *, force: bool, progress):
+def _healed_point(source: str, folder: Path, point: CompressionConfig, heal, *, force: bool, progress):
     """One budget compressed into ``folder`` and healed there; the healed model and its savings."""
     from flowgeom.compress.folder import load_model
     from flowgeom.compress.heal import heal_folder
-    from flowgeom.compress.run import share_model
 
-    report = share_model(source, folder, point, force=force, progress=progress).report
+    report = run_compression(source, folder, point, force=force, progress=progress).report
     heal_folder(folder, folder, heal, in_place=True, progress=progress)
     return load_model(folder), report["saved_params"], report["scope_saved_fraction"]  # of the projections
 

@@ -42,7 +42,8 @@ from typing import Any
 import torch
 
 from flowgeom.compress.blocks import angular_drop, bi_drop, drop_count
-from flowgeom.compress.plan import HF_NAMES, ROLES, SEED_SPACE, weight_key
+from flowgeom.compress.arch import HF_NAMES, ROLES, weight_key
+from flowgeom.compress.plan import SEED_SPACE
 from flowgeom.errors import FlowgeomError, choice_error
 from flowgeom.experiments.presets import preset as resolve
 from flowgeom.experiments.presets import scales
@@ -117,8 +118,8 @@ def random_drop(n_layers: int, n: int, seed: int) -> list[int]:
 
 # ---------------------------------------------------------------- one run
 
-def _share_config(config: Mapping[str, Any]):
-    from flowgeom.compress.run import ShareConfig
+def _compression_config(config: Mapping[str, Any]):
+    from flowgeom.compress.run import CompressionConfig
 
     strategy = config["strategy"]
     if strategy in ROLE_STRATEGIES:
@@ -128,10 +129,10 @@ def _share_config(config: Mapping[str, Any]):
         method, space, roles = "share", strategy.split("-")[1], (role,)
     else:
         (method, space), roles = METHODS[strategy], ROLES
-    return ShareConfig(method=method, budget=float(config["budget"]), roles=roles, group=int(config["group"]),
-                       space=space, calib=config["calib"], calib_tokens=int(config["calib_tokens"]),
-                       sequential=bool(config.get("sequential", False)),
-                       allocate="even" if method != "svd" else None)  # the seed's question: spaces at equal ranks
+    return CompressionConfig(method=method, budget=float(config["budget"]), roles=roles, group=int(config["group"]),
+                             space=space, calib=config["calib"], calib_tokens=int(config["calib_tokens"]),
+                             sequential=bool(config.get("sequential", False)),
+                             allocate="even" if method != "svd" else None)  # the seed's question: spaces at equal ranks
 
 
 def run_sharing(config: Mapping[str, Any], folder, *, resume: bool = False) -> dict[str, Any]:
@@ -142,10 +143,11 @@ def run_sharing(config: Mapping[str, Any], folder, *, resume: bool = False) -> d
     """
     import time
 
-    from flowgeom.compress.calibrate import cached_calibration
     from flowgeom.compress.blocks import block_params, drop_layers
+    from flowgeom.compress.calibrate import cached_calibration, calibration_ids
     from flowgeom.compress.perplexity import EvalConfig, perplexity
-    from flowgeom.compress.run import calibration_ids, compress_model, model_tokenizer, role_report, source_path
+    from flowgeom.compress.run import compress_model, role_report
+    from flowgeom.compress.source import model_tokenizer, source_path
     from flowgeom.data.text import load_text
     from flowgeom.data.tokens import token_ids
     from flowgeom.nn.llama import llama_from_state, llama_state_dict
@@ -181,7 +183,7 @@ def run_sharing(config: Mapping[str, Any], folder, *, resume: bool = False) -> d
         new_state, layers = drop_layers(state, dropped, n_layers=L), L - n
         facts |= {"dropped": dropped, "saved_params": sum(block_params(state, l) for l in dropped)}
     elif strategy != "none":
-        compressed, made = compress_model(_share_config(config), cfg, state, path, tokenizer)
+        compressed, made = compress_model(_compression_config(config), cfg, state, path, tokenizer)
         new_state = compressed.dense_state(state)
         p = compressed.plan
         facts |= {"saved_params": p.dense_params - p.stored_params, "notes": made["notes"],
