@@ -17,7 +17,7 @@ from flowgeom.data import ood_text
 from flowgeom.data.ood_text import KJV_QUOTES, clean_fortune, fortune_list
 from flowgeom.errors import FlowgeomError
 
-N_FORTUNES, N_CHARS = 14_662, 2_417_872  # the figures in docs/continuity-sharing.md and ood_text's docstring
+N_FORTUNES, N_CHARS = 14_662, 2_417_872  # the figures in docs/compression.md and ood_text's docstring
 SHA256 = "edc2ccd9e5cfe5c4"  # of the UTF-8 text: the cleaning and the order are pinned
 
 

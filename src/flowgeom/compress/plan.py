@@ -382,7 +382,7 @@ def compress_sequential(plan_: Plan, model, ids: torch.Tensor, *, refit: bool = 
 # ---------------------------------------------------------------- loss-aware ranks
 
 ALLOCATIONS = ("even", "loss")
-LOSS_SCORE, LOSS_RULE = "taylor", "lagrange"  # the measured best (docs/continuity-sharing.md)
+LOSS_SCORE, LOSS_RULE = "taylor", "lagrange"  # the measured best (docs/compression.md)
 
 
 def full_factors(plan_: Plan, state: Mapping[str, torch.Tensor], calib: Calibration, *,
