@@ -10,7 +10,11 @@ module counts as a lazy import too (``importlib.import_module(NAME)``).
 Nodes of the package graph are the first component below ``flowgeom``:
 ``flowgeom.laws.count`` is ``laws``, ``flowgeom.files`` is ``files``,
 ``flowgeom/__init__.py`` is ``flowgeom`` (the root: every import of a
-flowgeom module runs it, so it belongs at the bottom too).
+flowgeom module runs it, so it belongs at the bottom too). Below packages,
+no two modules import each other (directly or round a longer circle), and
+the modules of ``flowgeom.compress`` stand in the order of its pipeline
+(:data:`COMPRESS_ORDER`, the order its package docstring lists), each
+importing only those before it.
 
 The checks are plain functions over ``{module name: source}``, so the last
 tests feed them fake modules that break each rule and see them fail.
@@ -19,6 +23,7 @@ tests feed them fake modules that break each rule and see them fail.
 from __future__ import annotations
 
 import ast
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +41,11 @@ ALLOWED = {
 # Import circles between packages that are known and accepted, each with its reason: {frozenset(packages): why}.
 # None today. A listed circle that no longer exists fails the test too, so the list stays true.
 ALLOWED_CYCLES: dict[frozenset[str], str] = {}
+# flowgeom.compress's modules, helpers first, then its stages in the order a compression runs them: each may import
+# only those before it. Its package docstring lists them in this order.
+COMPRESS = "flowgeom.compress"
+COMPRESS_ORDER = ("factorize", "allocate", "write", "store", "arch", "source", "calibrate", "blocks", "plan", "folder",
+                  "auto", "mixed", "run", "stream", "perplexity", "agreement", "evaluate", "heal", "sweep")
 # Optional extras: imported only inside functions, or at module level only by these packages.
 EXTRAS = {"transformers", "peft", "lightning", "pytorch_lightning", "wandb", "tensorboard", "tensorboardX", "mlflow",
           "ray", "accelerate"}
@@ -89,10 +99,12 @@ def imports(modules: dict[str, str]) -> list[Import]:
                     pkg = name.split(".") if name in packages else name.split(".")[:-1]
                     pkg = pkg[:len(pkg) - child.level + 1]
                     base = ".".join(pkg + ([child.module] if child.module else []))
-                found.append(Import(name, base, child.lineno, module_level))
-                for a in child.names:  # `from flowgeom.x import y`: y may be a submodule
-                    if f"{base}.{a.name}" in known:
-                        found.append(Import(name, f"{base}.{a.name}", child.lineno, module_level))
+                # `from flowgeom.x import y` of a submodule y imports y (x's __init__ runs, but none of its names
+                # is used); any other name is x's own
+                subs = [f"{base}.{a.name}" for a in child.names if f"{base}.{a.name}" in known]
+                if len(subs) < len(child.names):
+                    found.append(Import(name, base, child.lineno, module_level))
+                found.extend(Import(name, sub, child.lineno, module_level) for sub in subs)
             elif isinstance(child, ast.Constant) and isinstance(child.value, str) and child.value in known \
                     and "." in child.value:  # "flowgeom.data.tokens", not the word "flowgeom"
                 found.append(Import(name, child.value, child.lineno, False))  # imported by name, when called
@@ -136,8 +148,22 @@ def layer_violations(found: list[Import]) -> list[str]:
 
 
 def cycles(found: list[Import]) -> list[frozenset[str]]:
-    """Strongly connected components of more than one package (Tarjan), i.e. the import circles."""
-    graph = {src: set(edges) for src, edges in package_graph(found).items()}
+    """The import circles between packages."""
+    return strong_components({src: set(edges) for src, edges in package_graph(found).items()})
+
+
+def module_cycles(found: list[Import]) -> list[frozenset[str]]:
+    """The import circles between flowgeom modules (a package's ``__init__`` is a module of its own)."""
+    modules = {i.source for i in found}
+    graph: dict[str, set[str]] = {}
+    for imp in found:
+        if imp.target in modules and imp.target != imp.source:
+            graph.setdefault(imp.source, set()).add(imp.target)
+    return strong_components(graph)
+
+
+def strong_components(graph: dict[str, set[str]]) -> list[frozenset[str]]:
+    """Strongly connected components of more than one node (Tarjan): the circles of ``graph``."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -169,6 +195,26 @@ def cycles(found: list[Import]) -> list[frozenset[str]]:
         if v not in index:
             strong(v)
     return out
+
+
+def upward_imports(found: list[Import], order: tuple[str, ...] = COMPRESS_ORDER) -> list[str]:
+    """Imports inside ``flowgeom.compress`` from a module to one not before it in ``order`` (the package's own
+    ``__init__``, which imports the stages, counts as after every one), and its modules missing from ``order``."""
+    rank = {f"{COMPRESS}.{name}": i for i, name in enumerate(order)}
+    inside = {m for i in found for m in (i.source, i.target) if m.startswith(COMPRESS + ".")}
+    out = [f"{m} is not in COMPRESS_ORDER: add it where it stands in the pipeline, and to the package docstring"
+           for m in sorted(inside - set(rank))]
+    for imp in found:
+        if imp.source in rank and (imp.target == COMPRESS or rank.get(imp.target, -1) >= rank[imp.source]):
+            out.append(f"{imp.source}:{imp.line} imports {imp.target}, which stands after it in COMPRESS_ORDER; "
+                       "move the piece both need down into a module before them")
+    return out
+
+
+def docstring_order(source: str) -> tuple[str, ...]:
+    """The module names a package docstring lists, one per indented line (``    name   what it does``)."""
+    doc = ast.get_docstring(ast.parse(source), clean=False) or ""
+    return tuple(m[1] for line in doc.splitlines() if (m := re.match(r"    ([a-z_]+)\s{2,}\S", line)))
 
 
 def extra_violations(found: list[Import]) -> list[str]:
@@ -240,6 +286,18 @@ def test_no_import_circles_between_packages():
     assert stale == [], f"ALLOWED_CYCLES lists circles that are gone, remove them: {stale}"
 
 
+def test_no_import_circles_between_modules():
+    assert [sorted(c) for c in module_cycles(FOUND)] == []
+
+
+def test_compress_imports_follow_its_pipeline():
+    assert upward_imports(FOUND) == []
+
+
+def test_the_compress_docstring_lists_the_pipeline_order():
+    assert docstring_order(read_tree()[COMPRESS]) == COMPRESS_ORDER
+
+
 def test_core_imports_without_the_extras():
     assert extra_violations(FOUND) == []
 
@@ -268,6 +326,29 @@ def test_an_import_circle_is_caught():
                   flowgeom__report__bad="def f():\n    import flowgeom.cli\n",
                   flowgeom__cli__bad="import flowgeom.langevin.bad\n")
     assert frozenset({"langevin", "report", "cli"}) <= {c for c in cycles(three) if "langevin" in c}.pop()
+
+
+def test_a_circle_between_modules_is_caught():
+    two = _with(flowgeom__nn__bad_a="from flowgeom.nn.bad_b import f\n",
+                flowgeom__nn__bad_b="def f():\n    from flowgeom.nn import bad_a\n")  # lazy, and by submodule name
+    assert frozenset({"flowgeom.nn.bad_a", "flowgeom.nn.bad_b"}) in module_cycles(two)
+    init = _with(flowgeom__compress__bad="from flowgeom.compress import load\n",  # through the package's __init__
+                 flowgeom__compress__run="from flowgeom.compress.bad import load\n")
+    assert any({"flowgeom.compress", "flowgeom.compress.bad"} <= c for c in module_cycles(init))
+
+
+def test_an_upward_import_in_compress_is_caught():
+    lazy = _with(flowgeom__compress__factorize="def f():\n    from flowgeom.compress.plan import Plan\n")
+    assert any(v.startswith("flowgeom.compress.factorize:2 imports flowgeom.compress.plan,")
+               for v in upward_imports(lazy))
+    by_name = _with(flowgeom__compress__arch="from flowgeom.compress import factorize, source\n")  # submodules
+    assert [v.split(",")[0] for v in upward_imports(by_name)] == ["flowgeom.compress.arch:1 imports "
+                                                                 "flowgeom.compress.source"]
+    package = _with(flowgeom__compress__write="from flowgeom.compress import load\n")
+    assert any(v.startswith("flowgeom.compress.write:1 imports flowgeom.compress,") for v in upward_imports(package))
+    unlisted = _with(flowgeom__compress__extra="from flowgeom.compress.arch import ROLES\n")
+    assert any(v.startswith("flowgeom.compress.extra is not in COMPRESS_ORDER") for v in upward_imports(unlisted))
+    assert docstring_order('"""Stages::\n\n    source   the model\n    arch     its roles\n"""') == ("source", "arch")
 
 
 def test_an_extra_at_module_level_is_caught():
