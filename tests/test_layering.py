@@ -44,8 +44,8 @@ ALLOWED_CYCLES: dict[frozenset[str], str] = {}
 # flowgeom.compress's modules, helpers first, then its stages in the order a compression runs them: each may import
 # only those before it. Its package docstring lists them in this order.
 COMPRESS = "flowgeom.compress"
-COMPRESS_ORDER = ("factorize", "allocate", "write", "store", "arch", "source", "calibrate", "blocks", "plan", "folder",
-                  "auto", "mixed", "run", "stream", "perplexity", "agreement", "evaluate", "heal", "sweep")
+COMPRESS_ORDER = ("factorize", "allocate", "write", "store", "arch", "source", "calibrate", "blocks", "plan", "lowrank",
+                  "folder", "auto", "mixed", "run", "stream", "perplexity", "agreement", "evaluate", "heal", "sweep")
 # Optional extras: imported only inside functions, or at module level only by these packages.
 EXTRAS = {"transformers", "peft", "lightning", "pytorch_lightning", "wandb", "tensorboard", "tensorboardX", "mlflow",
           "ray", "accelerate"}

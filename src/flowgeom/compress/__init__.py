@@ -14,10 +14,11 @@ checked by tests/test_layering.py)::
     calibrate   calibration ids, per-projection input Grams (and block-drop scores)
     blocks      which whole blocks to drop (Llama only)
     plan        spaces, layer groups, units (role x group, space, rank) of each method, and their factorisation
+    lowrank     ``compress_model``: the low-rank methods on a model in memory (calibrate, plan, factorise)
     folder      factored folders on disk (bases + coefficients) and their loaders
     auto        ``load``, any source as a transformers model; the Auto classes (refused without flowgeom)
     mixed       drop n blocks and low-rank the rest (Llama only)
-    run         ``run_compression`` / ``compress_model``: load, calibrate, plan, factorise, write
+    run         ``run_compression``: load, check, compress by one method, report, write
     stream      the same, one block in memory at a time (Llama only)
     perplexity  held-out perplexity in windows
     agreement   agreement with the dense model, and the health of greedy generation

@@ -169,10 +169,11 @@ def factored_tensors(compressed: Compressed, state: Mapping[str, torch.Tensor], 
 def save_factored(folder: Path, config_json: dict, compressed: Compressed, state: Mapping[str, torch.Tensor], *,
                   tokenizer=None, report: dict | None = None, dtype: torch.dtype = torch.float32) -> None:
     """Write the factored folder (module docstring) into ``folder``, tensors in ``dtype``."""
+    factored_json = factored_config_json(config_json)
     tensors, meta = factored_tensors(compressed, state, tie=bool(config_json.get("tie_word_embeddings")),
                                      dtype=dtype)
-    write_model_files(folder, tensors, factored_config_json(config_json), tokenizer=tokenizer, report=report,
-                      extra={JSON_NAME: meta}, weights=WEIGHTS_NAME)
+    write_model_files(folder, tensors, factored_json, tokenizer=tokenizer, report=report, extra={JSON_NAME: meta},
+                      weights=WEIGHTS_NAME)
 
 
 def is_factored(path: str | Path) -> bool:

@@ -15,7 +15,7 @@ written and the source is never touched on any error):
    ``seq_len`` sequences;
 3. the method: whole blocks dropped (:func:`flowgeom.compress.blocks.drop_blocks`),
    blocks dropped and the rest low rank (:mod:`flowgeom.compress.mixed`), both
-   Llama only; or low rank (:func:`compress_model`): Grams
+   Llama only; or low rank (:mod:`flowgeom.compress.lowrank`): Grams
    (:mod:`flowgeom.compress.calibrate`; cached on disk), the plan of the method
    (:mod:`flowgeom.compress.plan`), the factors (sequential when asked);
 4. a factored folder (:mod:`flowgeom.compress.folder`) or, with ``dense`` or
@@ -35,14 +35,12 @@ import torch
 from flowgeom.compress import plan as C
 from flowgeom.compress.arch import ROLES, arch_of, family_state, weight_key
 from flowgeom.compress.blocks import drop_blocks
-from flowgeom.compress.calibrate import DEFAULT_TOKENS, GRAD_TOKENS, cached_calibration, calibrate, calibration_ids
-from flowgeom.compress.calibrate import check_rank, input_widths
+from flowgeom.compress.calibrate import DEFAULT_TOKENS
 from flowgeom.compress.folder import save_factored
+from flowgeom.compress.lowrank import compress_model
 from flowgeom.compress.mixed import METHOD as MIXED
 from flowgeom.compress.mixed import compress_mixed
-from flowgeom.compress.source import build_model, check_vocab, family_json, is_native, load_dense, model_tokenizer
-from flowgeom.compress.source import source_path, view_model
-from flowgeom.compress.store import GramFiles, TensorFiles
+from flowgeom.compress.source import check_vocab, family_json, is_native, load_dense, model_tokenizer, source_path
 from flowgeom.compress.write import check_out_folder, save_llama_folder, write_folder
 from flowgeom.errors import FlowgeomError, choice_error, positive_int
 
@@ -117,7 +115,7 @@ class CompressionConfig:
         if self.dtype not in STORAGE:
             raise choice_error("dtype", self.dtype, STORAGE)
         if self.dense and self.dtype != "float32":
-            raise FlowgeomError("--dense writes float32 Llama weights; --dtype applies to factored folders only")
+            raise FlowgeomError("--dense writes the family's float32 weights; --dtype applies to factored folders only")
         if not self.roles or any(r not in ROLES for r in self.roles):
             raise FlowgeomError(f"--roles must name roles among {', '.join(ROLES)}, got {list(self.roles)}")
 
@@ -187,73 +185,6 @@ class CompressionResult:
     compressed: C.Compressed | None
     report: dict[str, Any]
     state: dict[str, torch.Tensor] = field(repr=False)
-
-
-def compress_model(config: CompressionConfig, cfg, state, source: Path, tokenizer, *, progress: Progress | None = None,
-                   calib_cache: dict | None = None) -> tuple[C.Compressed, dict[str, Any]]:
-    """Plan + factors of one budget (the calibration shared through ``calib_cache`` across a sweep)."""
-    L = cfg.num_hidden_layers
-    if config.method in ("basis-sharing", "share"):
-        C.layer_groups(L, config.group)  # --group within 1..L, refused before the calibration (minutes on a real model)
-    facts: dict[str, Any] = {"notes": []}
-    calib = None
-    cache = calib_cache if calib_cache is not None else {}
-    if config.calibrated:
-        if "ids" not in cache:
-            check_vocab(tokenizer, cfg, source)
-            cache["ids"] = calibration_ids(source, config.calib, config.calib_tokens, config.seq_len, tokenizer)
-            check_rank(input_widths(state), config.calib_tokens)
-        ids = cache["ids"]
-        if "calib" not in cache:
-            model = view_model(cfg, state)  # read only: the weights are not copied
-            step = (lambda d, t: progress("calibrate", d, t)) if progress else None
-            t0 = time.perf_counter()
-            if config.cache:
-                cache["calib"], hit = cached_calibration(model, state, ids, progress=step)
-            else:  # the Grams wait on disk, block by block, all the same (flowgeom.compress.store)
-                store = GramFiles(TensorFiles.temporary(), cfg.num_hidden_layers)
-                cache["calib"], hit = calibrate(model, ids, progress=step, store=store), False
-            cache["calib_seconds"], cache["calib_cached"] = time.perf_counter() - t0, hit
-            del model
-        calib = cache["calib"]
-        facts |= {"calib": config.calib, "calib_tokens": int(ids.numel()), "calib_cached": cache["calib_cached"],
-                  "calib_seconds": cache["calib_seconds"]}
-    evidence = None
-    if config.method == "continuity" or config.space == "auto":
-        if "evidence" not in cache:
-            cache["evidence"] = C.continuity_evidence(state, config.roles, L)
-        evidence = cache["evidence"]
-        facts["evidence"] = {r: {k: v for k, v in e.items() if k != "pairs"} for r, e in evidence.items()}
-        guessed = [r for r, e in evidence.items() if e["guessed"]]
-        if guessed:
-            facts["notes"].append(f"the analyzer measured no clear space for {', '.join(guessed)}; the larger of "
-                                  "the v1/u1 ratios chose it")
-    spaces = C.resolve_spaces(config.space, config.roles, evidence) if config.method == "share" else None
-    ratio = config.budget if config.budget is not None else 0.5  # with --rank the ratio only names the plan
-    p = C.plan(config.method, state, n_layers=L, ratio=ratio, roles=config.roles, group=config.group, spaces=spaces,
-               calib=calib, continuity=evidence)
-    if config.rank is not None:
-        p = C.with_rank(p, config.rank)
-    facts["allocate"] = config.allocation
-    facts["max_flops"] = config.max_flops
-    if config.allocation == "loss":  # the components scored by the gradients of the first GRAD_TOKENS
-        grad_ids = cache["ids"][: max(1, GRAD_TOKENS // config.seq_len)]
-        step = (lambda d, t: progress("gradients", d, t)) if progress else None
-        p, facts["allocation"] = C.allocate_by_loss(p, state, calib, lambda: view_model(cfg, state), grad_ids,
-                                                    progress=step, cache=cache.setdefault("sensitivity", {}),
-                                                    flops=config.max_flops)
-    facts["notes"] += list(p.notes)
-    step = (lambda d, t: progress("factorise", d, t)) if progress else None
-    if config.sequential:
-        model = build_model(cfg, state)
-        compressed, _ = C.compress_sequential(p, model, cache["ids"], refit=config.refit, progress=step,
-                                              state=state)
-        del model
-    else:
-        compressed = C.compress(p, state, calib, refit=config.refit, progress=step,
-                                full=cache.get("sensitivity", {}).get("full"))
-    facts["notes"] += compressed.notes
-    return compressed, facts
 
 
 def role_report(compressed: C.Compressed, state: Mapping[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
@@ -338,14 +269,15 @@ def run_compression(source: str, out: Path, config: CompressionConfig, *, force:
     report = build_report(source, out, config, cfg, state, made, tokenizer)
     new_cfg, new_state, compressed, _ = made
 
+    config_json = family_json(new_cfg)
+
     def fill(tmp: Path) -> None:
         if report["format"] == "factored":
-            save_factored(tmp, family_json(new_cfg), compressed, new_state, tokenizer=tokenizer, report=report,
+            save_factored(tmp, config_json, compressed, new_state, tokenizer=tokenizer, report=report,
                           dtype=STORAGE[config.dtype])
         else:
             weights = new_state if compressed is None or not config.dense else compressed.dense_state(new_state)
-            save_llama_folder(tmp, family_json(new_cfg), family_state(arch_of(new_cfg), weights,
-                                                                     new_cfg.num_hidden_layers),
+            save_llama_folder(tmp, config_json, family_state(arch_of(new_cfg), weights, new_cfg.num_hidden_layers),
                               tokenizer=tokenizer, report=report)
 
     write_folder(out, fill, force=force)

@@ -28,7 +28,8 @@ import torch
 
 from flowgeom.compress.agreement import GenerationConfig
 from flowgeom.compress.blocks import drop_blocks
-from flowgeom.compress.run import DROP_METHODS, CompressionConfig, Progress, check_weights, compress_model, for_family
+from flowgeom.compress.lowrank import compress_model
+from flowgeom.compress.run import DROP_METHODS, CompressionConfig, Progress, check_weights, for_family
 from flowgeom.compress.run import run_compression
 from flowgeom.compress.source import build_model, load_dense, model_tokenizer, source_path
 from flowgeom.errors import FlowgeomError

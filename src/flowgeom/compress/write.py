@@ -158,7 +158,7 @@ def write_model_files(folder: Path, tensors: dict, config_json: dict, *, tokeniz
 
 def save_llama_folder(folder: Path, config_json: dict, state: dict, *, tokenizer=None,
                       report: dict | None = None) -> None:
-    """HF Llama layout in ``folder``: ``model.safetensors`` (float32, contiguous), ``config.json``,
+    """A plain HF folder of any family in ``folder``: ``model.safetensors`` (float32, contiguous), ``config.json``,
     ``tokenizer.json`` and ``flowgeom_share.json`` (the compression report) when given.
 
     With tied embeddings ``lm_head.weight`` is not written (HF convention).

@@ -146,7 +146,8 @@ def run_sharing(config: Mapping[str, Any], folder, *, resume: bool = False) -> d
     from flowgeom.compress.blocks import block_params, drop_layers
     from flowgeom.compress.calibrate import cached_calibration, calibration_ids
     from flowgeom.compress.perplexity import EvalConfig, perplexity
-    from flowgeom.compress.run import compress_model, role_report
+    from flowgeom.compress.lowrank import compress_model
+    from flowgeom.compress.run import role_report
     from flowgeom.compress.source import model_tokenizer, source_path
     from flowgeom.data.text import load_text
     from flowgeom.data.tokens import token_ids
