@@ -14,7 +14,7 @@ and the random baselines ``analytic_baselines``, ``monte_carlo_baselines``,
 ``expected_abs_cos``. See ``docs/continuity.md``.
 
 Compression (calibrated low-rank factors, block dropping, healing, perplexity) lives in its own
-package, :mod:`flowgeom.compress` (``docs/continuity-sharing.md``).
+package, :mod:`flowgeom.compress` (``docs/compression.md``).
 
 Reading checkpoints lives below this package, in :mod:`flowgeom.io` (``open_source``, ``TensorSource`` and
 ``BUILTINS`` are re-exported here because :func:`analyze` takes what they describe); the Llama forward and its
