@@ -36,11 +36,12 @@ Public API::
 See docs/compression.md.
 """
 
+from flowgeom.compress.arch import SEED_SPACE
 from flowgeom.compress.auto import load
 from flowgeom.compress.blocks import block_params, continuity_scores, drop_layers, drop_order, random_drop_order
 from flowgeom.compress.factorize import Factors, rank_for_ratio, share_input, share_output, stored_per_rank
 from flowgeom.compress.perplexity import EvalConfig, perplexity, windows
-from flowgeom.compress.plan import SEED_SPACE, layer_groups, opposite
+from flowgeom.compress.plan import layer_groups, opposite
 from flowgeom.compress.run import CompressionConfig, CompressionResult, renamed, run_compression
 
 __all__ = [

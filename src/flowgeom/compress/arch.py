@@ -43,6 +43,8 @@ ROLES = tuple(HF_NAMES)
 # Gram group -> roles that read its input (the calibration's four inputs of a block)
 INPUT_GROUPS = {"attn": ("q", "k", "v"), "o": ("o",), "mlp": ("gate", "up"), "down": ("down",)}
 ROLE_GRAM = {role: key for key, roles in INPUT_GROUPS.items() for role in roles}
+# Where seed 001 says each role is continuous (V: no clear opportunity, so no entry).
+SEED_SPACE = {"q": "input", "k": "input", "gate": "input", "up": "input", "o": "output", "down": "output"}
 CAUSAL_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "gpt2", "gpt_neox", "falcon")
 _BASE = {"gpt2": "transformer", "falcon": "transformer", "gpt_neox": "gpt_neox"}  # else "model"
 _FINAL_NORM = {"gpt2": "ln_f", "falcon": "ln_f", "gpt_neox": "final_layer_norm"}  # else "norm"

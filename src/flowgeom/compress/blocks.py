@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from flowgeom.compress.arch import role_shapes, weight_key
+from flowgeom.compress.arch import SEED_SPACE, role_shapes, weight_key
 from flowgeom.compress.calibrate import cached_calibration, calibration_ids
 from flowgeom.compress.source import check_vocab, view_model
 from flowgeom.errors import FlowgeomError

@@ -43,7 +43,8 @@ import torch
 
 from flowgeom.compress import allocate as A
 from flowgeom.compress import factorize as fz
-from flowgeom.compress.arch import ROLE_GRAM, ROLES, arch_of, role_shapes, role_state, set_role_weight, weight_key
+from flowgeom.compress.arch import (ROLE_GRAM, ROLES, SEED_SPACE, arch_of, role_shapes, role_state, set_role_weight,
+                                    weight_key)
 from flowgeom.compress.calibrate import Calibration, calibrate, sensitivity
 from flowgeom.compress.store import FactorFiles, GramFiles, TensorFiles
 from flowgeom.errors import FlowgeomError, choice_error
@@ -52,8 +53,6 @@ from flowgeom.memory import trim_heap
 METHODS = ("svd", "whiten", "basis-sharing", "share", "continuity")
 BS_SHARED = ("q", "k", "v", "gate", "up")  # Basis Sharing's default: these share, o and down stay per layer
 PAIR_THRESHOLD = 3.0  # a pair is a sharing candidate when its subspace alignment is 3x chance (the analyzer's rule)
-# Where seed 001 says each role is continuous (V: no clear opportunity, so no entry).
-SEED_SPACE = {"q": "input", "k": "input", "gate": "input", "up": "input", "o": "output", "down": "output"}
 
 
 def opposite(space: str) -> str:
